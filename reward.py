@@ -1,0 +1,148 @@
+"""Rewards: pure `str -> float` scorers, dispatch by `data_source`, and loading a user's `compute_score`.
+
+A reward function has verl's signature
+
+    compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict
+
+and returns a number, or a dict with a numeric "score" plus numeric extras that are logged
+(e.g. {"score": 1.0, "acc": 1.0, "format": 0.0}). No torch and no model calls here.
+"""
+
+import importlib.util
+import inspect
+import math
+import numbers
+import re
+import sys
+from pathlib import Path
+
+# --- GSM8K. strict gives what verl's verl/utils/reward_score/gsm8k.py gives on every input (rewritten) ---
+_SOLUTION_CLIP_CHARS = 300  # verl only looks at the tail: long regex scans are slow, the answer is at the end
+_STRICT = re.compile("#### (\\-?[0-9\\.\\,]+)")
+_NUMBER = re.compile("(\\-?[0-9\\.\\,]+)")
+
+
+def gsm8k_extract(solution_str, method="strict"):
+    """The final answer in the last 300 characters of a response, or None.
+
+    strict (verl's, the training reward): the number after the last "#### ", without "," and "$".
+    flexible (ours, reported in validation next to strict): the last number in any form, without ","
+    and "$" and a trailing "." ("costs $1,000." -> "1000"); it is what the model knows, strict is what
+    it knows and formats as asked.
+    """
+    assert method in ("strict", "flexible"), method
+    if len(solution_str) > _SOLUTION_CLIP_CHARS:
+        solution_str = solution_str[-_SOLUTION_CLIP_CHARS:]
+    if method == "strict":
+        solutions = _STRICT.findall(solution_str)
+        return solutions[-1].replace(",", "").replace("$", "") if solutions else None
+    for number in reversed(_NUMBER.findall(solution_str)):
+        number = number.replace(",", "").replace("$", "").removesuffix(".")
+        if any(c.isdigit() for c in number):  # skips "." and "," that the pattern also matches
+            return number
+    return None
+
+
+def gsm8k_score(solution_str, ground_truth, method="strict"):
+    """1.0 if the extracted answer equals ground_truth as a string, else 0.0 (verl: format_score=0)."""
+    answer = gsm8k_extract(solution_str, method)
+    return 1.0 if answer is not None and answer == ground_truth else 0.0
+
+
+# data_source -> scorer(solution_str, ground_truth, method) -> float. A new data set adds one line.
+SCORERS = {
+    "openai/gsm8k": gsm8k_score,
+}
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """The built-in reward: dispatch on data_source like verl's default_compute_score."""
+    scorer = SCORERS.get(data_source)
+    if scorer is None:
+        raise NotImplementedError(
+            f"no reward for data_source={data_source!r}; known: {sorted(SCORERS)}. Add a scorer to "
+            "reward.SCORERS, or pass --custom_reward_function_path my_reward.py with a "
+            "compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)")
+    return scorer(solution_str, ground_truth, method=kwargs.get("method", "strict"))
+
+
+def load_reward_function(path=None, name="compute_score"):
+    """The reward function: built-in compute_score when path is None, else `name` from the file at path.
+
+    Called at start-up, before any model loads, so a broken file fails in a second, not after an hour.
+    """
+    if path is None:
+        return compute_score
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"custom reward file {path} does not exist (--custom_reward_function_path)")
+    if path.suffix != ".py":
+        raise ValueError(f"custom reward file {path} is not a .py file (--custom_reward_function_path)")
+    module_name = f"custom_reward_{path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[module_name]
+        raise ImportError(f"importing custom reward file {path} failed: {type(e).__name__}: {e}") from e
+    if not hasattr(module, name):
+        defined = [k for k, v in vars(module).items()
+                   if callable(v) and getattr(v, "__module__", None) == module_name]
+        raise AttributeError(f"{path} defines no function {name!r}; it defines {defined}")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise TypeError(f"{path}: {name} is a {type(fn).__name__}, not a function")
+    try:
+        inspect.signature(fn).bind(data_source="", solution_str="", ground_truth="", extra_info=None)
+    except TypeError as e:
+        raise TypeError(f"{path}: {name}{inspect.signature(fn)} cannot be called as "
+                        f"{name}(data_source=, solution_str=, ground_truth=, extra_info=): {e}") from e
+    return fn
+
+
+def _number(x):
+    """x as a finite float, or None when it is not a number (bool and numpy scalars count: True -> 1.0)."""
+    if isinstance(x, numbers.Real) and math.isfinite(x):
+        return float(x)
+    return None
+
+
+def _where(i, source, response):
+    return f"sample {i} (data_source={source!r}, response starts {response[:200]!r})"
+
+
+def score_batch(fn, data_sources, responses, ground_truths, extra_infos, reward_errors="raise", **kwargs):
+    """Score each response with fn(data_source=, solution_str=, ground_truth=, extra_info=, **kwargs).
+
+    Returns (scores, extras, n_errors): scores is a list[float]; extras maps each numeric extra key that
+    fn returned in a dict to a list[float] over all samples (0.0 where a sample lacks the key, so means
+    are over the batch); non-numeric extras (e.g. the extracted answer) are dropped.
+    A failing sample (fn raised, or returned None, a string, nan, a dict without a numeric "score"):
+    reward_errors="raise" raises RuntimeError naming it; "zero" scores it 0.0 and counts it in n_errors.
+    """
+    assert reward_errors in ("raise", "zero"), f"reward_errors must be 'raise' or 'zero', not {reward_errors!r}"
+    scores, rows, n_errors = [], [], 0
+    for i, (source, response, truth, info) in enumerate(zip(data_sources, responses, ground_truths, extra_infos)):
+        try:
+            out = fn(data_source=source, solution_str=response, ground_truth=truth, extra_info=info, **kwargs)
+        except Exception as e:
+            if reward_errors == "raise":
+                raise RuntimeError(f"reward function raised on {_where(i, source, response)}: "
+                                   f"{type(e).__name__}: {e}. "
+                                   "Pass --reward_errors zero to score such samples 0.0") from e
+            out, n_errors = 0.0, n_errors + 1
+        extra = {k: _number(v) for k, v in out.items() if k != "score"} if isinstance(out, dict) else {}
+        score = _number(out.get("score") if isinstance(out, dict) else out)
+        if score is None:
+            if reward_errors == "raise":
+                raise RuntimeError(f"reward function returned {type(out).__name__} {str(out)[:100]!r} on "
+                                   f"{_where(i, source, response)}; it must return a number or a dict with a "
+                                   "numeric 'score'. Pass --reward_errors zero to score such samples 0.0")
+            score, extra, n_errors = 0.0, {}, n_errors + 1
+        scores.append(score)
+        rows.append({k: v for k, v in extra.items() if v is not None})
+    keys = sorted({k for row in rows for k in row})
+    extras = {k: [row.get(k, 0.0) for row in rows] for k in keys}
+    return scores, extras, n_errors

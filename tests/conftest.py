@@ -1,0 +1,8 @@
+"""Tests run from the repo root; make its modules importable however pytest is started."""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)

@@ -1,0 +1,199 @@
+"""reward.py: GSM8K scoring against a hand-worked table and verl's reference, dispatch, custom rewards."""
+
+import random
+import re
+
+import pytest
+
+import reward
+from reward import compute_score, gsm8k_extract, gsm8k_score, load_reward_function, score_batch
+
+GSM8K = "openai/gsm8k"
+
+# (response, ground_truth, strict, flexible)
+TABLE = [
+    ("3 + 4 = 7\n#### 7", "7", 1.0, 1.0),
+    ("#### 1,000", "1000", 1.0, 1.0),  # strict drops the comma: "1,000" -> "1000"
+    ("#### 1,000", "1,000", 0.0, 0.0),  # ground truths are written without commas
+    ("#### -5", "-5", 1.0, 1.0),
+    ("#### 2.5", "2.5", 1.0, 1.0),
+    ("#### 72.0", "72", 0.0, 0.0),  # answers compare as strings: "72.0" != "72"
+    ("#### 3\nno, wait:\n#### 4", "4", 1.0, 1.0),  # several markers: the last one wins
+    ("#### 3\nno, wait:\n#### 4", "3", 0.0, 0.0),
+    ("The answer is 42", "42", 0.0, 1.0),  # no marker: strict 0, flexible takes the last number
+    ("", "42", 0.0, 0.0),
+    ("no numbers here", "42", 0.0, 0.0),
+    ("The answer is \\boxed{42}", "42", 0.0, 1.0),
+    ("####5", "5", 0.0, 1.0),  # strict needs "#### " with the space
+    ("#### $18", "18", 0.0, 1.0),  # strict's number must follow "#### " directly; "$" is not in it
+    ("She makes $18 a day.\n#### 18", "18", 1.0, 1.0),
+    ("#### 1,000.", "1000", 0.0, 1.0),  # strict keeps the dot: "1000." != "1000"; flexible drops it
+    ("The change is -3.", "-3", 0.0, 1.0),  # flexible: "-3." -> "-3"
+    ("#### 7 ...", "7", 1.0, 1.0),  # flexible skips "..." (no digit) and takes "7"
+    ("#### 18\nSo she has 3 apples left.", "18", 1.0, 0.0),  # flexible takes the last number, 3
+    # the 300-character window: "#### 42\n" is 8 chars, so 8 + 292 = 300 chars are all kept ...
+    ("#### 42\n" + "x" * 292, "42", 1.0, 1.0),
+    # ... and at 301 chars the first "#" is clipped: "### 42" is no marker, but 42 is still a number
+    ("#### 42\n" + "x" * 293, "42", 0.0, 1.0),
+    ("#### 42\n" + "x" * 400, "42", 0.0, 0.0),  # marker 408 chars from the end: nothing left to find
+]
+
+
+@pytest.mark.parametrize("response, truth, strict, flexible", TABLE)
+def test_gsm8k_table(response, truth, strict, flexible):
+    assert gsm8k_score(response, truth) == strict
+    assert gsm8k_score(response, truth, method="strict") == strict
+    assert gsm8k_score(response, truth, method="flexible") == flexible
+
+
+def test_gsm8k_extract():
+    assert gsm8k_extract("#### 1,234,567") == "1234567"
+    assert gsm8k_extract("#### 1,000.", method="flexible") == "1000"
+    assert gsm8k_extract("no marker 12") is None
+    assert gsm8k_extract("no number at all", method="flexible") is None
+    assert gsm8k_extract("x = -0.5", method="flexible") == "-0.5"
+
+
+def _verl_strict(solution_str):
+    """verl's extract_solution(method="strict"), verl/utils/reward_score/gsm8k.py, as the reference."""
+    if len(solution_str) > 300:
+        solution_str = solution_str[-300:]
+    solutions = re.findall("#### (\\-?[0-9\\.\\,]+)", solution_str)
+    return solutions[-1].replace(",", "").replace("$", "") if solutions else None
+
+
+def test_strict_matches_verl_on_random_strings():
+    rng = random.Random(0)
+    pieces = ["#### ", "####", "#", " ", "-", "1", "23", ".", ",", "$", "x", "\n", "\\boxed{", "}"]
+    for response in [r for r, *_ in TABLE] + ["".join(rng.choices(pieces, k=rng.randint(0, 200))) for _ in range(2000)]:
+        assert gsm8k_extract(response) == _verl_strict(response), response
+
+
+def test_compute_score_dispatch():
+    assert compute_score(GSM8K, "#### 18", "18") == 1.0
+    assert compute_score(GSM8K, "#### 17", "18") == 0.0
+    assert compute_score(GSM8K, "so 18", "18", extra_info={"index": 0}) == 0.0
+    assert compute_score(GSM8K, "so 18", "18", method="flexible") == 1.0
+    with pytest.raises(NotImplementedError) as e:
+        compute_score("my/data", "#### 18", "18")
+    assert "'my/data'" in str(e.value) and GSM8K in str(e.value)
+    assert "--custom_reward_function_path" in str(e.value)
+
+
+def test_scorers_register_one_line(monkeypatch):
+    monkeypatch.setitem(reward.SCORERS, "echo", lambda solution_str, ground_truth, method: float(solution_str == "hi"))
+    assert compute_score("echo", "hi", "") == 1.0
+
+
+# --- custom reward functions ---
+GOOD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str.strip() == ground_truth)
+
+def with_extras(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    acc = float(solution_str.strip() == ground_truth)
+    out = {"score": acc + 0.5, "acc": acc, "pred": solution_str.strip()}
+    if data_source == "b":
+        out["only_b"] = 1.0
+    return out
+
+def fails(data_source, solution_str, ground_truth, extra_info=None):
+    if data_source == "bad":
+        raise KeyError("boom")
+    return 1.0
+
+def returns(data_source, solution_str, ground_truth, extra_info):
+    return eval(solution_str)
+
+def by_kwargs(**kwargs):
+    return 1.0
+
+def too_few(solution_str, ground_truth):
+    return 1.0
+
+NOT_A_FUNCTION = 3
+"""
+
+
+@pytest.fixture
+def reward_file(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(GOOD)
+    return path
+
+
+def test_default_is_compute_score():
+    assert load_reward_function() is compute_score
+    assert load_reward_function(None) is compute_score
+
+
+def test_custom_float_and_dict(reward_file):
+    fn = load_reward_function(reward_file)
+    scores, extras, n_errors = score_batch(fn, ["a", "a"], ["7 ", "8"], ["7", "7"], [None, None])
+    assert scores == [1.0, 0.0] and extras == {} and n_errors == 0
+
+    fn = load_reward_function(str(reward_file), "with_extras")
+    scores, extras, n_errors = score_batch(fn, ["a", "b"], ["7", "8"], ["7", "7"], [None, {"i": 1}])
+    assert scores == [1.5, 0.5]
+    # "pred" is a string, not averaged: dropped. "only_b" is missing for sample 0: 0.0 there
+    assert extras == {"acc": [1.0, 0.0], "only_b": [0.0, 1.0]}
+    assert n_errors == 0
+
+    assert load_reward_function(reward_file, "by_kwargs")(data_source="", solution_str="", ground_truth="") == 1.0
+
+
+def test_custom_file_errors(tmp_path, reward_file):
+    with pytest.raises(FileNotFoundError, match="nope.py"):
+        load_reward_function(tmp_path / "nope.py")
+    (tmp_path / "reward.txt").write_text(GOOD)
+    with pytest.raises(ValueError, match="not a .py"):
+        load_reward_function(tmp_path / "reward.txt")
+    (tmp_path / "broken.py").write_text("import os\nx = 1 / 0\n")
+    with pytest.raises(ImportError, match="ZeroDivisionError"):
+        load_reward_function(tmp_path / "broken.py")
+    with pytest.raises(AttributeError) as e:
+        load_reward_function(reward_file, "score_it")
+    assert "'score_it'" in str(e.value) and "'with_extras'" in str(e.value) and "'too_few'" in str(e.value)
+    with pytest.raises(TypeError, match="not a function"):
+        load_reward_function(reward_file, "NOT_A_FUNCTION")
+    with pytest.raises(TypeError, match="too_few"):
+        load_reward_function(reward_file, "too_few")
+
+
+def test_score_batch_errors(reward_file):
+    fn = load_reward_function(reward_file, "fails")
+    response = "The answer is" + " x" * 300
+    with pytest.raises(RuntimeError) as e:
+        score_batch(fn, ["ok", "bad"], ["fine", response], ["1", "1"], [None, None])
+    message = str(e.value)
+    assert "sample 1" in message and "'bad'" in message and repr(response[:200]) in message
+    assert isinstance(e.value.__cause__, KeyError)
+
+    scores, _, n_errors = score_batch(fn, ["bad", "ok", "bad"], ["r"] * 3, ["1"] * 3, [None] * 3,
+                                           reward_errors="zero")
+    assert scores == [0.0, 1.0, 0.0] and n_errors == 2
+
+
+@pytest.mark.parametrize("returned", ["None", "'1.0'", "float('nan')", "{'acc': 1.0}", "{'score': None}"])
+def test_score_batch_bad_return(reward_file, returned):
+    fn = load_reward_function(reward_file, "returns")
+    with pytest.raises(RuntimeError, match="sample 0.*must return a number"):
+        score_batch(fn, ["a"], [returned], ["1"], [None])
+    scores, extras, n_errors = score_batch(fn, ["a", "a"], [returned, "True"], ["1", "1"], [None, None],
+                                           reward_errors="zero")
+    assert scores == [0.0, 1.0] and extras == {} and n_errors == 1
+
+
+def test_score_batch_builtin():
+    scores, _, n_errors = score_batch(compute_score, [GSM8K] * 2, ["#### 18", "18"], ["18", "18"], [None] * 2)
+    assert scores == [1.0, 0.0] and n_errors == 0
+    scores, _, _ = score_batch(compute_score, [GSM8K] * 2, ["#### 18", "18"], ["18", "18"], [None] * 2,
+                               method="flexible")
+    assert scores == [1.0, 1.0]
+
+
+def test_score_batch_accepts_numpy_scalars():
+    np = pytest.importorskip("numpy")
+    scores, extras, _ = score_batch(lambda **kw: {"score": np.float32(0.5), "acc": np.int64(1)}, ["a"], ["r"], ["1"],
+                                    [None])
+    assert scores == [0.5] and extras == {"acc": [1.0]}
