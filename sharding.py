@@ -1,0 +1,292 @@
+"""FSDP2 plumbing shared by every train script: wrap, stream full tensors, checkpoint, export.
+
+- `apply_fsdp2` shards a Hugging Face causal LM (or a value model on the same body) with
+  `fully_shard`, one unit per decoder layer plus the root, as torchtitan does.
+- `iter_full_tensors` is the local resharding function of the hybrid engine: it all-gathers one
+  parameter at a time from the FSDP2 shards and yields it under its Hugging Face name, so vLLM's
+  loaders cut their own tensor-parallel slices and the full state dict never exists at once.
+- `save_checkpoint` / `load_checkpoint` use torch.distributed.checkpoint (sharded, loadable at
+  another world size), written to a temporary folder and renamed, so a crash mid-save leaves the
+  last good checkpoint as it was. Folders follow verl's layout: `global_step_{N}` plus the tracker
+  file `latest_checkpointed_iteration.txt`.
+- `export_hf` writes a folder that `transformers` and vLLM load directly.
+All ranks must call every function here (they are collectives); only rank 0 writes shared files.
+The checkpoint folder must be on a file system every rank sees (any single node; NFS or similar
+across nodes).
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+TRACKER = "latest_checkpointed_iteration.txt"  # verl's name for "which global_step_N is the latest"
+_WRAPPER_PREFIXES = re.compile(r"(_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_mod)\.")
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The repeated blocks of a Hugging Face model: `model.model.layers` for Qwen2/Qwen3/Llama and
+    for their token-classification (value) variants, which keep the body under the same name."""
+    for path in ("model.layers", "transformer.h", "layers"):
+        module = model
+        for attr in path.split("."):
+            module = getattr(module, attr, None)
+        if isinstance(module, torch.nn.ModuleList):
+            return module
+    raise ValueError(f"{type(model).__name__}: no decoder layers found under model.layers / transformer.h / layers")
+
+
+def apply_fsdp2(
+    model: torch.nn.Module,
+    *,
+    param_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+    gradient_checkpointing: bool = False,
+    cpu_offload: bool = False,
+    mesh=None,
+) -> torch.nn.Module:
+    """Shard `model` in place: `fully_shard` on each decoder layer, then on the root.
+
+    Parameters stay in their stored dtype (fp32 masters for training) and are cast to `param_dtype`
+    for compute; gradients are reduced in `reduce_dtype`. `cpu_offload` keeps parameters, gradients
+    and the optimizer step on the CPU (verl's `param_offload`). Gradient checkpointing uses the
+    model's own non-reentrant checkpointing, which leaves parameter names untouched.
+    """
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    kwargs = dict(
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    )
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    # The root unit holds the embeddings, final norm and head; it is gathered for the whole
+    # forward (reshard_after_forward=False saves one all-gather in backward).
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model
+
+
+def hf_name(name: str) -> str:
+    """A parameter name as the Hugging Face checkpoint spells it (wrapper prefixes removed)."""
+    return _WRAPPER_PREFIXES.sub("", name)
+
+
+@torch.no_grad()
+def iter_full_tensors(
+    model: torch.nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, full_tensor)` for every parameter, gathered one at a time on every rank.
+
+    Casting to `dtype` happens on the shard, before the all-gather, so a bf16 push moves half the
+    bytes of an fp32 one. Tied parameters appear once (under the first name, as in the checkpoint).
+    Only one gathered tensor is alive per step of the iterator if the consumer does not keep it.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # The root is not resharded after forward (see apply_fsdp2): after a no-grad forward it
+            # still holds its unsharded copies in param_dtype (bf16), not the fp32 masters.
+            module.reshard()
+    for name, param in model.named_parameters():
+        tensor = param.data
+        if dtype is not None:
+            tensor = tensor.to(dtype)
+        if isinstance(tensor, DTensor):
+            if device is not None:  # CPU-offloaded shards gather over the GPU's process group
+                tensor = tensor.to(device)
+            tensor = tensor.full_tensor()
+        elif device is not None:
+            tensor = tensor.to(device)
+        yield hf_name(name), tensor
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _step_of(folder: str) -> int | None:
+    m = re.fullmatch(r"global_step_(\d+)", folder)
+    return int(m.group(1)) if m else None
+
+
+def list_checkpoints(root: str) -> list[int]:
+    """Steps of the complete checkpoints under `root` (a `global_step_N` with its marker), sorted."""
+    if not os.path.isdir(root):
+        return []
+    steps = [_step_of(f) for f in os.listdir(root)]
+    return sorted(s for s in steps if s is not None and os.path.exists(os.path.join(root, f"global_step_{s}", "COMPLETE")))
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The newest complete checkpoint folder under `root`, or None."""
+    steps = list_checkpoints(root)
+    return os.path.join(root, f"global_step_{steps[-1]}") if steps else None
+
+
+def save_checkpoint(
+    root: str,
+    step: int,
+    models: dict[str, torch.nn.Module],
+    optimizers: dict[str, torch.optim.Optimizer] | None = None,
+    schedulers: dict | None = None,
+    trainer_state: dict | None = None,
+    keep_last: int | None = None,
+) -> str:
+    """Save a sharded checkpoint as `root/global_step_{step}`, atomically.
+
+    `models` / `optimizers` / `schedulers` are keyed by role ("actor", "critic", ...). Every rank
+    writes its shards into `root/.tmp_global_step_{step}`; then rank 0 writes the trainer state
+    (JSON: step, data position, ...) and the schedulers, marks the folder COMPLETE and renames it.
+    A folder without the marker is never loaded. Keeps the newest `keep_last` checkpoints.
+    """
+    final = os.path.join(root, f"global_step_{step}")
+    tmp = os.path.join(root, f".tmp_global_step_{step}")
+    if rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
+        os.makedirs(tmp)
+    barrier()
+    state = {f"model.{k}": get_model_state_dict(m) for k, m in models.items()}
+    for k, opt in (optimizers or {}).items():
+        state[f"optim.{k}"] = get_optimizer_state_dict(models[k], opt)
+    dcp.save(state, checkpoint_id=tmp)
+    # RNG streams are per rank; at another world size ranks without a file keep their seeding.
+    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank()}.pt"))
+    barrier()
+    if rank() == 0:
+        extra = {"schedulers": {k: s.state_dict() for k, s in (schedulers or {}).items()}}
+        torch.save(extra, os.path.join(tmp, "schedulers.pt"))
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"global_step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                       **(trainer_state or {})}, f, indent=1)
+        open(os.path.join(tmp, "COMPLETE"), "w").close()
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+        with open(tracker_tmp, "w") as f:
+            f.write(str(step))
+        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+        if keep_last:
+            for old in list_checkpoints(root)[:-keep_last]:
+                shutil.rmtree(os.path.join(root, f"global_step_{old}"), ignore_errors=True)
+    barrier()
+    return final
+
+
+def load_checkpoint(
+    path: str,
+    models: dict[str, torch.nn.Module],
+    optimizers: dict[str, torch.optim.Optimizer] | None = None,
+    schedulers: dict | None = None,
+) -> dict:
+    """Load a checkpoint written by `save_checkpoint` (at any world size); returns the trainer state."""
+    if not os.path.exists(os.path.join(path, "COMPLETE")):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no COMPLETE marker); pick another "
+                                f"global_step_N or start fresh with --resume_mode disable")
+    state = {f"model.{k}": get_model_state_dict(m) for k, m in models.items()}
+    for k, opt in (optimizers or {}).items():
+        state[f"optim.{k}"] = get_optimizer_state_dict(models[k], opt)
+    dcp.load(state, checkpoint_id=path)
+    for k, m in models.items():
+        set_model_state_dict(m, state[f"model.{k}"])
+    for k, opt in (optimizers or {}).items():
+        set_optimizer_state_dict(models[k], opt, state[f"optim.{k}"])
+    extra = torch.load(os.path.join(path, "schedulers.pt"), weights_only=False)
+    for k, s in (schedulers or {}).items():
+        s.load_state_dict(extra["schedulers"][k])
+    rng_file = os.path.join(path, f"rng_rank{rank()}.pt")
+    if os.path.exists(rng_file):
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        return json.load(f)
+
+
+# --------------------------------------------------------------------------- export
+
+
+def export_hf(
+    path: str, model: torch.nn.Module, tokenizer=None, dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = 4 << 30,
+) -> str:
+    """Write `model` as a Hugging Face folder (safetensors shards + index, config, generation
+    config, tokenizer with its chat template), atomically, on rank 0. Collective: call on all ranks."""
+    from safetensors.torch import save_file
+
+    tmp = path.rstrip("/") + ".tmp"
+    if rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in iter_full_tensors(model, dtype=dtype):
+        if rank() != 0:
+            continue
+        nbytes = tensor.numel() * tensor.element_size()
+        if size + nbytes > max_shard_bytes and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.detach().to("cpu", copy=True).contiguous()
+        size += nbytes
+    if rank() == 0:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(tmp, fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+        if len(shards) > 1:
+            total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+        config = model.config.__class__.from_dict(model.config.to_dict())
+        config.torch_dtype = dtype
+        config.use_cache = True
+        config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    barrier()
+    return path

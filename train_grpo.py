@@ -1,0 +1,769 @@
+"""GRPO: Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath, eq. 3), as verl runs it.
+
+For each prompt, sample a group of n responses, score them with a rule reward, and use each
+response's score standardised within its group as the advantage of all of its tokens (eq. 3's
+outcome supervision). The policy is updated with PPO's clipped surrogate (Schulman et al. 2017,
+eq. 7) plus a KL penalty to a frozen reference model added to the loss (verl's `use_kl_loss`,
+k3 = `low_var_kl` by default). No critic. Variants behind flags: Dr.GRPO (Liu et al. 2025,
+`--norm_adv_by_std_in_grpo false`, `--loss_agg_mode seq-mean-token-sum-norm`), DAPO's
+clip-higher and dynamic sampling (Yu et al. 2025, `--clip_ratio_high`, `--filter_groups`) and
+dual-clip (Ye et al. 2020, `--clip_ratio_c`). Left out: reward models (rule and user functions
+only), multi-turn rollouts, sequence parallelism.
+
+Run: torchrun --nproc_per_node=8 train_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct
+Shapes: B prompts, n samples per prompt, N = B*n sequences, T response tokens, V vocabulary.
+"""
+
+import contextlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
+
+import reward
+import sharding
+from data.dataset import load_rl_dataset
+from rollout import group_share, logprob_gap, make_engine
+
+
+@dataclass
+class Args:
+    # model and data
+    model: str = field(default="Qwen/Qwen2.5-0.5B-Instruct", metadata={"help": "hub id or local folder"})
+    train_files: str = field(default="~/data/gsm8k/train.parquet", metadata={"help": "parquet, comma-separated"})
+    val_files: str = field(default="~/data/gsm8k/test.parquet", metadata={"help": "parquet, comma-separated"})
+    train_batch_size: int = field(default=256, metadata={"help": "prompts per step (all ranks)"})
+    max_prompt_length: int = field(default=512, metadata={"help": "tokens, after the chat template"})
+    max_response_length: int = field(default=1024, metadata={"help": "tokens generated at most"})
+    filter_overlong_prompts: bool = field(default=False, metadata={"help": "drop prompts over max_prompt_length"})
+    truncation: str = field(default="error", metadata={"help": "overlong prompts when not filtered: error|left|right"})
+    # rollout
+    rollout_engine: str = field(default="vllm", metadata={"help": "vllm | hf (transformers generate)"})
+    rollout_n: int = field(default=5, metadata={"help": "responses per prompt (the group size)"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})
+    top_k: int = field(default=-1, metadata={"help": "-1 = off"})
+    tensor_model_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM replica"})
+    gpu_memory_utilization: float = field(default=0.6, metadata={"help": "vLLM's share of GPU memory while awake"})
+    # actor update
+    ppo_mini_batch_size: int = field(default=64, metadata={"help": "prompts per optimizer step (x rollout_n inside)"})
+    ppo_micro_batch_size_per_gpu: int = field(default=4, metadata={"help": "sequences per forward/backward"})
+    log_prob_micro_batch_size_per_gpu: int = field(default=8, metadata={"help": "sequences per log-prob forward"})
+    ppo_epochs: int = field(default=1, metadata={"help": "passes over each batch"})
+    actor_lr: float = field(default=1e-6, metadata={"help": "AdamW learning rate"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
+    lr_warmup_steps: int = field(default=-1, metadata={"help": "-1: use lr_warmup_steps_ratio"})
+    lr_warmup_steps_ratio: float = field(default=0.0, metadata={"help": "warmup as a fraction of all steps"})
+    lr_scheduler_type: str = field(default="constant", metadata={"help": "constant | cosine (after warmup)"})
+    grad_clip: float = field(default=1.0, metadata={"help": "max global gradient norm"})
+    clip_ratio_low: float = field(default=0.2, metadata={"help": "ratio clipped below at 1 - this"})
+    clip_ratio_high: float = field(default=0.2, metadata={"help": "ratio clipped above at 1 + this (DAPO: 0.28)"})
+    clip_ratio_c: float = field(default=3.0, metadata={"help": "dual-clip bound for negative advantages"})
+    loss_agg_mode: str = field(default="token-mean", metadata={
+        "help": "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm"})
+    norm_adv_by_std_in_grpo: bool = field(default=True, metadata={"help": "false = Dr.GRPO"})
+    entropy_coeff: float = field(default=0.0, metadata={"help": "entropy bonus"})
+    use_kl_loss: bool = field(default=True, metadata={"help": "KL to the reference model in the loss"})
+    kl_loss_coef: float | None = field(default=None, metadata={"help": "default 0.001 when use_kl_loss"})
+    kl_loss_type: str = field(default="low_var_kl", metadata={"help": "k1 | k2 | k3 | low_var_kl | abs | mse"})
+    use_kl_in_reward: bool = field(default=False, metadata={"help": "subtract kl_coef * KL from the reward"})
+    kl_coef: float | None = field(default=None, metadata={"help": "default 0.001 when use_kl_in_reward"})
+    filter_groups: bool = field(default=False, metadata={"help": "DAPO dynamic sampling: drop all-equal groups"})
+    max_num_gen_batches: int = field(default=10, metadata={"help": "filter_groups: generation rounds per step"})
+    # memory
+    enable_gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations"})
+    param_offload: bool = field(default=False, metadata={"help": "actor params, grads and optimizer on CPU"})
+    optimizer_offload: bool = field(default=False, metadata={"help": "optimizer state on CPU between steps"})
+    ref_param_offload: bool = field(default=False, metadata={"help": "reference model params on CPU"})
+    use_remove_padding: bool = field(default=True, metadata={"help": "pack sequences instead of padding"})
+    # reward
+    custom_reward_function_path: str | None = field(default=None, metadata={"help": "a .py file"})
+    custom_reward_function_name: str = field(default="compute_score", metadata={"help": "function in that file"})
+    reward_errors: str = field(default="raise", metadata={"help": "raise | zero: a failing reward call scores 0"})
+    # trainer
+    total_epochs: int = field(default=15, metadata={"help": "passes over the training prompts"})
+    total_training_steps: int | None = field(default=None, metadata={"help": "overrides total_epochs"})
+    save_freq: int = field(default=-1, metadata={"help": "checkpoint every N steps (-1: only at the end)"})
+    test_freq: int = field(default=10, metadata={"help": "validate every N steps (-1: never)"})
+    val_before_train: bool = field(default=True, metadata={"help": "validate before the first step"})
+    val_only: bool = field(default=False, metadata={"help": "only evaluate --model (or the checkpoint) and exit"})
+    val_n: int = field(default=1, metadata={"help": "val_only: samples per prompt for pass@k (T=val_temperature)"})
+    val_temperature: float = field(default=1.0, metadata={"help": "val_only: temperature of the pass@k samples"})
+    max_val_samples: int | None = field(default=None, metadata={"help": "validate on the first N prompts"})
+    resume_mode: str = field(default="auto", metadata={"help": "auto | disable | a global_step_N folder"})
+    default_local_dir: str | None = field(default=None, metadata={"help": "default checkpoints/PROJECT/EXPERIMENT"})
+    keep_last_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept on disk"})
+    export_final: bool = field(default=True, metadata={"help": "write the final policy as a HF folder"})
+    logger: str = field(default="console,jsonl", metadata={"help": "comma list of console, jsonl, wandb, tensorboard"})
+    project_name: str = field(default="grpo_gsm8k", metadata={"help": "for wandb / tensorboard / folders"})
+    experiment_name: str = field(default="qwen2.5_0.5b", metadata={"help": "for wandb / tensorboard / folders"})
+    seed: int = field(default=1, metadata={"help": "model init and data order; sampling uses seed + group"})
+
+
+# --- math: pure tensor functions, no globals, no I/O ---------------------------------------------
+
+
+def compute_grpo_outcome_advantage(scores, response_mask, n, norm_adv_by_std=True, eps=1e-6):
+    """A_i = (r_i - mean(r_group)) / (std(r_group) + eps) for every token of response i.
+
+    DeepSeekMath eq. 3 (outcome supervision); without the std division it is Dr.GRPO (Liu et al.
+    2025, sec. 3.1). Consecutive rows form a group: scores (N,) with N = B*n, response_mask (N, T).
+    std is the unbiased sample std, as in verl. Returns advantages (N, T), zero on padding.
+    """
+    grouped = scores.view(-1, n)  # (B, n)
+    adv = grouped - grouped.mean(-1, keepdim=True)
+    if norm_adv_by_std:
+        adv = adv / (grouped.std(-1, keepdim=True) + eps)
+    return adv.reshape(-1, 1) * response_mask
+
+
+def agg_loss(loss_mat, response_mask, mode, num_tokens, num_seqs, max_response_length):
+    """Aggregate a per-token loss (N, T) into a scalar, with *global* denominators.
+
+    num_tokens / num_seqs count the whole mini-batch over all micro-batches and ranks, so splitting
+    it differently leaves the gradient unchanged (torchtune / verl 0.5 use the same rule).
+      token-mean:              sum_it l_it / num_tokens
+      seq-mean-token-sum:      sum_i (sum_t l_it) / num_seqs
+      seq-mean-token-mean:     sum_i (sum_t l_it / |y_i|) / num_seqs
+      seq-mean-token-sum-norm: sum_it l_it / (num_seqs * max_response_length)   (Dr.GRPO)
+    """
+    masked = loss_mat * response_mask
+    if mode == "token-mean":
+        return masked.sum() / num_tokens
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / num_seqs
+    if mode == "seq-mean-token-mean":
+        return (masked.sum(-1) / response_mask.sum(-1).clamp(min=1)).sum() / num_seqs
+    if mode == "seq-mean-token-sum-norm":
+        return masked.sum() / (num_seqs * max_response_length)
+    raise ValueError(f"--loss_agg_mode {mode!r} is not one of token-mean, seq-mean-token-mean, "
+                     "seq-mean-token-sum, seq-mean-token-sum-norm")
+
+
+def compute_policy_loss(old_log_probs, log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high,
+                        clip_ratio_c):
+    """Per-token clipped surrogate loss (N, T), negated once, plus its statistics (sums over tokens).
+
+    PPO eq. 7: L = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A), ratio = pi/pi_old;
+    clip-higher uses eps_high > eps_low (DAPO eq. 10); for A < 0 the loss is further capped at
+    -c * A (dual-clip, Ye et al. 2020 eq. 5), so a huge ratio on a bad token cannot blow up.
+    Returns pg_losses (N, T) and sums over response tokens of: clipped (pg_clipfrac), dual-clipped
+    (pg_clipfrac_lower) and -log_ratio (ppo_kl); the caller divides by the global token count.
+    """
+    log_ratio = (log_probs - old_log_probs).clamp(-20.0, 20.0)  # exp() overflows beyond this
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    surrogate = torch.min(ratio * advantages, clipped_ratio * advantages)
+    dual = torch.max(surrogate, clip_ratio_c * advantages)  # only binds for A < 0
+    objective = torch.where(advantages < 0, dual, surrogate)
+    pg_losses = -objective
+    mask = response_mask.bool()
+    stats = {
+        "pg_clipfrac": ((clipped_ratio * advantages < ratio * advantages) & mask).sum(),
+        "pg_clipfrac_lower": ((surrogate < clip_ratio_c * advantages) & (advantages < 0) & mask).sum(),
+        "ppo_kl": (-log_ratio * response_mask).sum(),
+    }
+    return pg_losses, stats
+
+
+def kl_penalty(log_probs, ref_log_probs, kl_type):
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating KL").
+
+    k1 = log r, k2 (mse) = (log r)^2 / 2, k3 (low_var_kl) = r' - 1 - log r' with r' = pi_ref / pi
+    (unbiased and always >= 0), abs = |log r|, where log r = log pi - log pi_ref. k3 is clamped
+    to [-10, 10] as in verl, against rare huge ratios.
+    """
+    log_ratio = log_probs - ref_log_probs
+    if kl_type == "k1":
+        return log_ratio
+    if kl_type == "abs":
+        return log_ratio.abs()
+    if kl_type in ("k2", "mse"):
+        return 0.5 * log_ratio.square()
+    if kl_type in ("k3", "low_var_kl"):
+        neg = (-log_ratio).clamp(-20.0, 20.0)
+        return (neg.exp() - neg - 1).clamp(-10.0, 10.0)
+    raise ValueError(f"--kl_loss_type {kl_type!r} is not one of k1, k2, k3, low_var_kl, abs, mse")
+
+
+def entropy_from_logits(logits):
+    """H = logsumexp(z) - sum_v softmax(z)_v z_v, per position: logits (..., V) -> (...)."""
+    probs = torch.softmax(logits, -1)
+    return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
+
+
+# --- plumbing kept in the script: batching, log-probs, metrics ----------------------------------
+
+
+def collate(samples, packed, device):
+    """Model inputs for a micro-batch of (prompt_ids, response_ids) pairs.
+
+    Padded: prompts left-padded, responses right-padded, logits kept for the last T+1 positions.
+    Packed (`--use_remove_padding`): all sequences in one row, positions restarting per sequence
+    (transformers then masks attention across sequences), logits kept only where a response token
+    is predicted. Either way the result is read back as (b, T) with T = longest response.
+    """
+    T = max(max(len(r) for _, r in samples), 1)
+    if packed:
+        ids, pos, keep, rows, cols = [], [], [], [], []
+        for i, (p, r) in enumerate(samples):
+            start = len(ids)
+            ids += p + r
+            pos += list(range(len(p) + len(r)))
+            keep += range(start + len(p) - 1, start + len(p) + len(r) - 1)
+            rows += [i] * len(r)
+            cols += range(len(r))
+        return dict(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([pos], device=device),
+                    logits_to_keep=torch.tensor(keep, device=device),
+                    unpack=(torch.tensor(rows, device=device), torch.tensor(cols, device=device), len(samples), T))
+    P = max(len(p) for p, _ in samples)
+    ids = [[0] * (P - len(p)) + p + r + [0] * (T - len(r)) for p, r in samples]
+    attn = [[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (T - len(r)) for p, r in samples]
+    attn = torch.tensor(attn, device=device)
+    return dict(input_ids=torch.tensor(ids, device=device), attention_mask=attn,
+                position_ids=(attn.cumsum(-1) - 1).clamp(min=0), logits_to_keep=T + 1, unpack=None)
+
+
+def response_targets(samples, T, device):
+    """(b, T) response token ids and response_mask."""
+    ids = torch.tensor([r + [0] * (T - len(r)) for _, r in samples], device=device)
+    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for _, r in samples], device=device)
+    return ids, mask.float()
+
+
+def forward_log_probs(model, samples, temperature, packed, with_entropy):
+    """log pi(y_t | x, y_<t) of each response token, (b, T), and the entropy (b, T) if asked."""
+    device = next(model.parameters()).device
+    batch = collate(samples, packed, device)
+    unpack = batch.pop("unpack")
+    logits = model(**batch, use_cache=False).logits.float() / temperature  # verl scales by T too
+    targets, mask = response_targets(samples, batch["logits_to_keep"] - 1 if not packed else unpack[3], device)
+    if packed:
+        rows, cols, b, T = unpack
+        flat_lp = torch.log_softmax(logits[0], -1).gather(-1, targets[rows, cols][:, None]).squeeze(-1)
+        log_probs = torch.zeros(b, T, device=device, dtype=flat_lp.dtype).index_put((rows, cols), flat_lp)
+        entropy = None
+        if with_entropy:
+            entropy = torch.zeros(b, T, device=device).index_put((rows, cols), entropy_from_logits(logits[0]))
+    else:
+        logits = logits[:, :-1]  # position t predicts token t+1: drop the last
+        log_probs = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1) * mask
+        entropy = entropy_from_logits(logits) * mask if with_entropy else None
+    return log_probs, entropy
+
+
+@torch.no_grad()
+def batched_log_probs(model, samples, micro, temperature, packed, T):
+    """Log-probs (N, T) of a rank's sequences, in micro-batches (same count on every rank)."""
+    out = []
+    for i in range(0, len(samples), micro):
+        lp, _ = forward_log_probs(model, samples[i:i + micro], temperature, packed, False)
+        out.append(torch.nn.functional.pad(lp, (0, T - lp.shape[1])))
+    return torch.cat(out)
+
+
+def all_sum(*values, device):
+    """Sum floats over ranks."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def gather_objects(obj):
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def flops_per_token(config, seq_len):
+    """Forward FLOPs per token: 2 x the parameters a token is multiplied through (the lm_head once,
+    the embedding lookup never, so tied and untied models count alike) + attention scores and
+    values, 2 * 2 * layers * seq_len * heads * head_dim, halved for causal masking."""
+    h, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+    return 2 * (L * per_layer + V * h) + 2 * L * seq_len * q
+
+
+def measure_peak_flops(device):
+    """Measured dense matmul rate (FLOP/s) of this device: the MFU denominator."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    t, iters = time.perf_counter(), 20
+    for _ in range(iters):
+        a @ b
+    sync(device)
+    return 2 * n**3 * iters / (time.perf_counter() - t)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Timer:
+    """`with timer("gen"):` adds the seconds spent inside to metrics["timing_s/gen"] (nestable)."""
+
+    def __init__(self, metrics, device):
+        self.metrics, self.device = metrics, device
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        sync(self.device)
+        t0 = time.perf_counter()
+        yield
+        sync(self.device)
+        key = f"timing_s/{name}"
+        self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - t0
+
+
+class Logger:
+    """Rank 0 only: console line per step (verl's format), jsonl, wandb, tensorboard."""
+
+    def __init__(self, args, out_dir):
+        self.kinds = {k.strip() for k in args.logger.strip("[]").split(",") if k.strip()}
+        self.on = sharding.rank() == 0
+        self.path, self.wandb, self.tb = os.path.join(out_dir, "metrics.jsonl"), None, None
+        if not self.on:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        if "wandb" in self.kinds:
+            import wandb
+            self.wandb = wandb.init(project=args.project_name, name=args.experiment_name, config=asdict(args))
+        if "tensorboard" in self.kinds:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+
+    def truncate(self, step):
+        """Drop log lines after `step`: a resumed (or restarted) run rewrites what follows."""
+        if self.on and os.path.exists(self.path):
+            with open(self.path) as f:
+                lines = [line for line in f if json.loads(line)["step"] <= step]
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(lines)
+            os.replace(self.path + ".tmp", self.path)
+
+    def log(self, metrics, step):
+        if not self.on:
+            return
+        if "console" in self.kinds:
+            tqdm.write(f"step:{step} - " + " - ".join(f"{k}:{v:.4g}" if isinstance(v, float) else f"{k}:{v}"
+                                                      for k, v in sorted(metrics.items())))
+        if "jsonl" in self.kinds:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+        if self.tb:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+
+
+# --- setup ---------------------------------------------------------------------------------------
+
+
+def check_args(args, world_size):
+    """Fail at start-up, naming the flags, before anything heavy loads."""
+    def need(ok, msg):
+        if not ok:
+            raise SystemExit(f"train_grpo.py: {msg}")
+    need(args.rollout_n > 1, "--rollout_n must be > 1: GRPO compares responses within a group")
+    need(args.train_batch_size % world_size == 0,
+         f"--train_batch_size {args.train_batch_size} must be divisible by the number of GPUs {world_size}")
+    need(args.train_batch_size % args.ppo_mini_batch_size == 0,
+         f"--train_batch_size {args.train_batch_size} must be divisible by --ppo_mini_batch_size "
+         f"{args.ppo_mini_batch_size}")
+    need(args.ppo_mini_batch_size * args.rollout_n % world_size == 0,
+         f"--ppo_mini_batch_size x --rollout_n ({args.ppo_mini_batch_size * args.rollout_n}) must be divisible by "
+         f"the number of GPUs {world_size}")
+    per_gpu = args.ppo_mini_batch_size * args.rollout_n // world_size
+    need(per_gpu % args.ppo_micro_batch_size_per_gpu == 0,
+         f"a mini-batch holds {per_gpu} sequences per GPU (--ppo_mini_batch_size x --rollout_n / GPUs), not "
+         f"divisible by --ppo_micro_batch_size_per_gpu {args.ppo_micro_batch_size_per_gpu}")
+    need(world_size % args.tensor_model_parallel_size == 0,
+         f"--tensor_model_parallel_size {args.tensor_model_parallel_size} must divide the number of GPUs {world_size}")
+    need(args.kl_loss_coef is None or args.use_kl_loss, "--kl_loss_coef is set but --use_kl_loss is false")
+    need(args.kl_coef is None or args.use_kl_in_reward, "--kl_coef is set but --use_kl_in_reward is false")
+    need(args.truncation in ("error", "left", "right"), "--truncation must be error, left or right")
+    need(args.reward_errors in ("raise", "zero"), "--reward_errors must be raise or zero")
+    need(args.rollout_engine in ("vllm", "hf"), "--rollout_engine must be vllm or hf")
+    need(args.resume_mode in ("auto", "disable") or os.path.isdir(args.resume_mode),
+         f"--resume_mode must be auto, disable or an existing global_step_N folder, got {args.resume_mode!r}")
+    agg_loss(torch.zeros(1, 1), torch.ones(1, 1), args.loss_agg_mode, 1, 1, 1)  # raises on a bad mode
+    kl_penalty(torch.zeros(1), torch.zeros(1), args.kl_loss_type)
+    args.kl_loss_coef = 0.001 if args.kl_loss_coef is None else args.kl_loss_coef
+    args.kl_coef = 0.001 if args.kl_coef is None else args.kl_coef
+    args.default_local_dir = args.default_local_dir or os.path.join("checkpoints", args.project_name,
+                                                                    args.experiment_name)
+
+
+def init_distributed():
+    """torchrun sets RANK/WORLD_SIZE; a plain `python train_grpo.py` runs as a world of one."""
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda"
+                            else None)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def load_policy(path, device, trainable, offload, args):
+    """A Hugging Face causal LM, fp32 masters, sharded with FSDP2 (bf16 compute on GPU)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    if device.type == "cuda" and not offload:
+        model.to(device)
+    sharding.apply_fsdp2(model, param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                         gradient_checkpointing=trainable and args.enable_gradient_checkpointing,
+                         cpu_offload=offload)
+    if not trainable:
+        model.requires_grad_(False).eval()
+    return model
+
+
+def lr_lambda(args, total_steps):
+    warmup = args.lr_warmup_steps if args.lr_warmup_steps >= 0 else int(args.lr_warmup_steps_ratio * total_steps)
+
+    def f(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        if args.lr_scheduler_type == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
+        return 1.0
+    return f
+
+
+def batch_order(n_examples, batch_size, epoch, seed):
+    """The prompts of each step of an epoch: a seeded shuffle, last partial batch dropped (verl)."""
+    perm = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return [perm[i:i + batch_size] for i in range(0, n_examples - batch_size + 1, batch_size)]
+
+
+def rollout(engine, examples, args, tokenizer, reward_fn, seed, n, temperature):
+    """Generate n responses per prompt and score them; returns the groups of all ranks, in order.
+
+    Each tensor-parallel group generates its share of `examples` (the same list on every rank);
+    each rank decodes and scores its own slice, then all slices are gathered, so every rank
+    holds the whole batch, in the global order, and computes identical batch statistics.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine, my_slice = group_share(examples, rank, world, engine.tp)
+    outs = engine.generate([e.prompt_ids for e in mine], n=n, temperature=temperature, top_p=args.top_p,
+                           top_k=args.top_k, max_tokens=args.max_response_length, seed=seed)
+    mine, outs = mine[my_slice], outs[my_slice]
+    texts = tokenizer.batch_decode([s.token_ids for out in outs for s in out], skip_special_tokens=True)
+    sources = [e.data_source for e in mine for _ in range(n)]
+    truths = [e.ground_truth for e in mine for _ in range(n)]
+    infos = [e.extra_info for e in mine for _ in range(n)]
+    scores, extras, n_errors = reward.score_batch(reward_fn, sources, texts, truths, infos, args.reward_errors)
+    flexible = [reward.compute_score(s, t, g, i, method="flexible") if s in reward.SCORERS else float("nan")
+                for s, t, g, i in zip(sources, texts, truths, infos)]
+    groups = []
+    for i, (e, out) in enumerate(zip(mine, outs)):
+        k = slice(i * n, (i + 1) * n)
+        groups.append(dict(example=e, samples=out, scores=scores[k], flexible=flexible[k],
+                           extras={key: v[k] for key, v in extras.items()}))
+    gathered = gather_objects((groups, n_errors))
+    return [g for gs, _ in gathered for g in gs], sum(e for _, e in gathered)
+
+
+def validate(engine, val, args, tokenizer, reward_fn, n=1, temperature=0.0):
+    """Greedy mean@1 (strict: the training reward; flexible: the last number) per data source, and
+    with n > 1 sampled mean@n and pass@n. Uneven shares are fine: groups generate independently."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    examples = val.examples[:args.max_val_samples] if args.max_val_samples else val.examples
+    share = examples[engine.dp_rank::engine.dp_size]
+    outs = engine.generate([e.prompt_ids for e in share], n=n, temperature=temperature, top_p=1.0, top_k=-1,
+                           max_tokens=args.max_response_length, seed=args.seed)
+    texts = tokenizer.batch_decode([s.token_ids for out in outs for s in out], skip_special_tokens=True)
+    rows = []
+    for i, e in enumerate(share):
+        strict = [float(reward.score_batch(reward_fn, [e.data_source], [t], [e.ground_truth], [e.extra_info],
+                                           args.reward_errors)[0][0]) for t in texts[i * n:(i + 1) * n]]
+        flex = [reward.compute_score(e.data_source, t, e.ground_truth, method="flexible")
+                if e.data_source in reward.SCORERS else float("nan") for t in texts[i * n:(i + 1) * n]]
+        rows.append((e.data_source, strict, flex, [len(s.token_ids) for s in outs[i]]))
+    rows = [r for rs in gather_objects(rows if engine.tp_rank == 0 else []) for r in rs]
+    metrics = {}
+    for source in sorted({r[0] for r in rows}):
+        mine = [r for r in rows if r[0] == source]
+        for name, idx in (("reward", 1), ("reward_flexible", 2)):
+            vals = np.array([r[idx] for r in mine])
+            if np.isnan(vals).all():
+                continue
+            metrics[f"val-core/{source}/{name}/mean@{n}"] = float(vals.mean())
+            if n > 1:
+                metrics[f"val-core/{source}/{name}/pass@{n}"] = float((vals.max(1) > 0).mean())
+        metrics[f"val-aux/{source}/response_length/mean"] = float(np.mean([x for r in mine for x in r[3]]))
+    return metrics
+
+
+def main(args):
+    rank, world, device = init_distributed()
+    check_args(args, world)
+    reward_fn = reward.load_reward_function(args.custom_reward_function_path, args.custom_reward_function_name)
+    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)  # same init on every rank
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    data_kw = dict(tokenizer=tokenizer, max_prompt_length=args.max_prompt_length,
+                   filter_overlong_prompts=args.filter_overlong_prompts, truncation=args.truncation)
+    val = load_rl_dataset(args.val_files.split(","), **data_kw) if args.test_freq > 0 or args.val_only else None
+    train = None if args.val_only else load_rl_dataset(args.train_files.split(","), **data_kw)
+    if train is not None and len(train) < args.train_batch_size:
+        raise SystemExit(f"train_grpo.py: {args.train_files} holds {len(train)} usable prompts, fewer than "
+                         f"--train_batch_size {args.train_batch_size}")
+    steps_per_epoch = len(train) // args.train_batch_size if train else 0
+    total_steps = args.total_training_steps or steps_per_epoch * args.total_epochs
+
+    # models: the actor (trained), the reference (frozen, only when a KL term is on), the engine
+    use_ref = (args.use_kl_loss or args.use_kl_in_reward) and not args.val_only
+    actor = load_policy(args.model, device, not args.val_only, args.param_offload, args)
+    ref = load_policy(args.model, device, False, args.ref_param_offload, args) if use_ref else None
+    optimizer = torch.optim.AdamW(actor.parameters(), lr=args.actor_lr, weight_decay=args.weight_decay,
+                                  betas=(0.9, 0.999))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, total_steps))
+    step, epoch, batch_idx = 0, 0, 0
+    resume = sharding.latest_checkpoint(args.default_local_dir) if args.resume_mode == "auto" else (
+        None if args.resume_mode == "disable" else args.resume_mode)
+    if resume:
+        state = sharding.load_checkpoint(resume, {"actor": actor}, {"actor": optimizer}, {"actor": scheduler})
+        step, epoch, batch_idx = state["global_step"], state["epoch"], state["batch_idx"]
+        if rank == 0:
+            print(f"resumed from {resume} (step {step})", flush=True)
+    if step >= total_steps and not args.val_only:
+        if rank == 0:
+            print(f"train_grpo.py: {resume} already finished {step} of {total_steps} steps; nothing to do. Raise "
+                  "--total_training_steps / --total_epochs to train on, or use --resume_mode disable to start over.")
+        return
+    engine = make_engine(args.rollout_engine, args.model, tensor_parallel_size=args.tensor_model_parallel_size,
+                         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                         max_model_len=args.max_prompt_length + args.max_response_length,
+                         dtype="bfloat16" if device.type == "cuda" else "float32",
+                         enforce_eager=device.type != "cuda", load_format="dummy")
+    push_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    engine.update_weights(sharding.iter_full_tensors(actor, dtype=push_dtype, device=device))
+    logger = Logger(args, args.default_local_dir)
+    logger.truncate(step - 1 if step == 0 else step)
+    if args.val_only:
+        metrics = validate(engine, val, args, tokenizer, reward_fn)
+        if args.val_n > 1:
+            metrics |= validate(engine, val, args, tokenizer, reward_fn, n=args.val_n, temperature=args.val_temperature)
+        logger.log(metrics, step)
+        return metrics
+    if args.val_before_train and val is not None and step == 0:
+        logger.log(validate(engine, val, args, tokenizer, reward_fn), step)
+    peak_flops = measure_peak_flops(device) * world
+    config = actor.config
+    packed = args.use_remove_padding
+    n, B = args.rollout_n, args.train_batch_size
+    per_rank = B // world  # prompts per rank
+
+    def next_prompts():
+        nonlocal epoch, batch_idx
+        order = batch_order(len(train), B, epoch, args.seed)
+        if batch_idx >= len(order):
+            epoch, batch_idx = epoch + 1, 0
+            order = batch_order(len(train), B, epoch, args.seed)
+        batch_idx += 1
+        return [train[i] for i in order[batch_idx - 1]]
+
+    bar = tqdm(total=total_steps, initial=step, disable=rank != 0, desc="steps")
+    while step < total_steps:
+        step += 1
+        metrics, timer = {}, Timer({}, device)
+        with timer("step"):
+            # 1 generate: the engine (awake, holding the latest weights) samples n responses per prompt
+            # 2 score: rule or user reward per response, in the same call
+            with timer("gen"):
+                groups, n_errors, rounds = [], 0, 0
+                while len(groups) < B:
+                    rounds += 1
+                    new, errs = rollout(engine, next_prompts(), args, tokenizer, reward_fn,
+                                        seed=hash((args.seed, step, rounds, engine.dp_rank)) % 2**31, n=n,
+                                        temperature=args.temperature)
+                    n_errors += errs
+                    if args.filter_groups:  # DAPO: a group with equal scores has zero advantage: no signal
+                        new = [g for g in new if len(set(g["scores"])) > 1]
+                        if rounds >= args.max_num_gen_batches and len(groups) + len(new) < B:
+                            raise RuntimeError(
+                                f"step {step}: --filter_groups kept {len(groups) + len(new)} of {B} groups after "
+                                f"{rounds} generation rounds (--max_num_gen_batches); all-equal scores dominate: "
+                                "check the reward, raise --rollout_n or --max_num_gen_batches")
+                    groups += new
+                groups = groups[:B]
+                engine.sleep()
+            all_scores = torch.tensor([s for g in groups for s in g["scores"]])
+            mine = groups[rank * per_rank:(rank + 1) * per_rank]
+            samples = [(g["example"].prompt_ids, s.token_ids) for g in mine for s in g["samples"]]  # N/world
+            T = max(max(len(r) for _, r in samples), 1)
+            _, response_mask = response_targets(samples, T, device)  # (N/world, T)
+            rollout_log_probs = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for g in mine
+                                              for s in g["samples"]], device=device)
+            scores = torch.tensor([s for g in mine for s in g["scores"]], device=device)  # (N/world,)
+
+            # 3 old and reference log-probs, recomputed by the FSDP2 actor (the engine's are a check)
+            with timer("old_log_prob"):
+                old_log_probs = batched_log_probs(actor, samples, args.log_prob_micro_batch_size_per_gpu,
+                                                  args.temperature, packed, T)
+            if ref is not None:
+                with timer("ref"):
+                    ref_log_probs = batched_log_probs(ref, samples, args.log_prob_micro_batch_size_per_gpu,
+                                                      args.temperature, packed, T)
+
+            # 4 advantages: the score sits on the last response token; KL-in-reward spreads -kl_coef * KL
+            with timer("adv"):
+                last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+                token_level_rewards = torch.zeros_like(response_mask)
+                token_level_rewards[torch.arange(len(samples)), last] = scores
+                if args.use_kl_in_reward:
+                    kl = kl_penalty(old_log_probs, ref_log_probs, "k1") * response_mask
+                    token_level_rewards = token_level_rewards - args.kl_coef * kl
+                    metrics["actor/reward_kl_penalty"] = all_sum(kl.sum().item(), device=device)[0] / max(
+                        1, all_sum(response_mask.sum().item(), device=device)[0])
+                advantages = compute_grpo_outcome_advantage(token_level_rewards.sum(-1), response_mask, n,
+                                                            args.norm_adv_by_std_in_grpo)
+
+            # 5 update: mini-batches x epochs, micro-batch gradient accumulation, global normalisation
+            with timer("update_actor"):
+                update_stats = update_actor(actor, optimizer, samples, old_log_probs,
+                                            ref_log_probs if args.use_kl_loss else None, advantages,
+                                            response_mask, args, step, device)
+                scheduler.step()
+
+            # 6 push the new weights into the engine: FSDP2 shards -> full tensors -> vLLM's loaders
+            with timer("update_weights"):
+                optimizer.zero_grad(set_to_none=True)
+                engine.update_weights(sharding.iter_full_tensors(actor, dtype=push_dtype, device=device))
+
+        # 7 log, validate, save
+        lengths = torch.tensor([len(s.token_ids) for g in groups for s in g["samples"]], dtype=torch.float)
+        n_tokens = all_sum(response_mask.sum().item(), device=device)[0]
+        prompt_tokens = sum(len(g["example"].prompt_ids) for g in groups) * n
+        seq_len = (prompt_tokens + lengths.sum().item()) / len(lengths)
+        fpt = flops_per_token(config, seq_len)
+        t = timer.metrics
+        metrics |= {
+            "critic/score/mean": all_scores.mean().item(), "critic/score/max": all_scores.max().item(),
+            "critic/score/min": all_scores.min().item(),
+            "critic/rewards/mean": all_sum(token_level_rewards.sum().item(), device=device)[0] / len(lengths),
+            "critic/advantages/mean": all_sum((advantages * response_mask).sum().item(), device=device)[0]
+            / max(n_tokens, 1),
+            "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
+            "response_length/clip_ratio": float(np.mean([s.finish_reason == "length" for g in groups
+                                                         for s in g["samples"]])),
+            "response_length/empty": float((lengths == 0).sum().item()),
+            "prompt_length/mean": prompt_tokens / len(lengths),
+            "critic/score_flexible/mean": float(np.nanmean([f for g in groups for f in g["flexible"]]))
+            if any(g["example"].data_source in reward.SCORERS for g in groups) else float("nan"),
+            "rollout/logprob_gap_mean": logprob_gap(old_log_probs, rollout_log_probs, response_mask),
+            "rollout/gen_rounds": float(rounds), "reward/errors": float(n_errors),
+            "actor/lr": scheduler.get_last_lr()[0],
+            "perf/throughput": (prompt_tokens + lengths.sum().item()) / t["timing_s/step"] / world,
+            "perf/gen_tokens_per_s": lengths.sum().item() / t["timing_s/gen"],
+            "perf/mfu/actor": 3 * args.ppo_epochs * fpt * (prompt_tokens + lengths.sum().item())
+            / t["timing_s/update_actor"] / peak_flops,
+            "perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
+            "training/global_step": step, "training/epoch": epoch,
+        } | update_stats | t
+        for key in {k for g in groups for k in g["extras"]}:
+            metrics[f"critic/score/{key}/mean"] = float(np.mean([x for g in groups for x in g["extras"].get(key, [])]))
+        last_step = step == total_steps
+        if val is not None and args.test_freq > 0 and (step % args.test_freq == 0 or last_step):
+            with Timer(metrics, device)("testing"):
+                metrics |= validate(engine, val, args, tokenizer, reward_fn)
+        if (args.save_freq > 0 and step % args.save_freq == 0) or last_step:
+            with Timer(metrics, device)("save_checkpoint"):
+                sharding.save_checkpoint(args.default_local_dir, step, {"actor": actor}, {"actor": optimizer},
+                                         {"actor": scheduler}, {"epoch": epoch, "batch_idx": batch_idx},
+                                         keep_last=args.keep_last_checkpoints)
+        logger.log(metrics, step)
+        bar.update(1)
+    bar.close()
+    if args.export_final:
+        path = sharding.export_hf(os.path.join(args.default_local_dir, "hf_model"), actor, tokenizer)
+        if rank == 0:
+            print(f"done: {step} steps; metrics {logger.path}; checkpoints {args.default_local_dir}; "
+                  f"final policy (Hugging Face format) {path}", flush=True)
+    return metrics
+
+
+def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advantages, response_mask, args, step,
+                 device):
+    """PPO-style update of the policy on a rank's share of the batch; returns actor/* metrics."""
+    world = dist.get_world_size()
+    mini = args.ppo_mini_batch_size * args.rollout_n // world  # sequences per rank per optimizer step
+    micro, seqs = args.ppo_micro_batch_size_per_gpu, args.ppo_mini_batch_size * args.rollout_n
+    sums = dict(pg_loss=0.0, kl_loss=0.0, entropy=0.0, pg_clipfrac=0.0, pg_clipfrac_lower=0.0, ppo_kl=0.0)
+    grad_norms, n_updates = [], 0
+    for _ in range(args.ppo_epochs):
+        for start in range(0, len(samples), mini):
+            tokens = all_sum(response_mask[start:start + mini].sum().item(), device=device)[0]
+            for i in range(start, start + mini, micro):
+                mb = slice(i, i + micro)
+                log_probs, entropy = forward_log_probs(actor, samples[mb], args.temperature,
+                                                       args.use_remove_padding, with_entropy=True)
+                Tm = log_probs.shape[1]
+                mask, adv, old = response_mask[mb, :Tm], advantages[mb, :Tm], old_log_probs[mb, :Tm]
+                agg = dict(response_mask=mask, mode=args.loss_agg_mode, num_tokens=tokens, num_seqs=seqs,
+                           max_response_length=args.max_response_length)
+                pg_losses, stats = compute_policy_loss(old, log_probs, adv, mask, args.clip_ratio_low,
+                                                       args.clip_ratio_high, args.clip_ratio_c)
+                pg_loss = agg_loss(pg_losses, **agg)
+                entropy_loss = agg_loss(entropy, **agg)
+                loss = pg_loss - args.entropy_coeff * entropy_loss
+                if ref_log_probs is not None:
+                    kl_loss = agg_loss(kl_penalty(log_probs, ref_log_probs[mb, :Tm], args.kl_loss_type), **agg)
+                    loss = loss + args.kl_loss_coef * kl_loss
+                    sums["kl_loss"] += kl_loss.item()
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"step {step}: non-finite loss {loss.item()}; stopping before the update "
+                                             "(the last checkpoint is untouched). Lower --actor_lr or check the data.")
+                # FSDP2 averages gradients over ranks; the loss is already a global mean, so undo that.
+                (loss * world).backward()
+                sums["pg_loss"] += pg_loss.item()
+                sums["entropy"] += entropy_loss.item()
+                for k, v in stats.items():
+                    sums[k] += v.item() / tokens
+            grad_norm = torch.nn.utils.clip_grad_norm_(actor.parameters(), args.grad_clip)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            if not torch.isfinite(grad_norm):
+                raise FloatingPointError(f"step {step}: non-finite gradient norm {grad_norm.item()}; stopping before "
+                                         "the update (the last checkpoint is untouched). Lower --actor_lr.")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            grad_norms.append(grad_norm.item())
+            n_updates += 1
+    totals = all_sum(*sums.values(), device=device)
+    metrics = {f"actor/{k}": v / n_updates for k, v in zip(sums, totals)}
+    metrics["actor/grad_norm"] = float(np.mean(grad_norms))
+    return metrics
+
+
+if __name__ == "__main__":
+    (parsed,) = HfArgumentParser(Args).parse_args_into_dataclasses()
+    try:
+        main(parsed)
+    finally:
+        # vLLM tears the process group down itself when its engine is collected; only then is it
+        # safe (and needed) to destroy it here.
+        if dist.is_initialized():
+            dist.barrier()
