@@ -1,6 +1,6 @@
 # Everything runs from .venv; `make install` makes it and is a no-op when nothing changed.
 # With an NVIDIA GPU (nvidia-smi works) it installs requirements-gpu.txt, else the CPU stack.
-PY      := .venv/bin/python
+PY      ?= .venv/bin/python  # on a prepared GPU machine: make test-gpu PY=python3
 GPU     := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 REQ     := requirements-$(GPU).txt
 STAMP   := .venv/.installed-$(GPU)
@@ -25,11 +25,12 @@ test: install
 	$(PY) -m pytest tests -q
 
 # GPU-only checks (skip cleanly without a GPU): the engine on NCCL with sleep mode, bf16 parity.
-test-gpu: install
+# GPU targets do not install: GPU machines may be offline (see docs/gpu.md for staging vLLM there).
+test-gpu:
 	$(PY) -m pytest tests/gpu -q -s
 
-bench-engine: install
-	$(PY) -m torch.distributed.run --nproc_per_node=1 bench/bench_engine.py
+bench-engine:
+	$(PY) -m torch.distributed.run --nproc_per_node=1 bench/bench_engine.py $(ARGS)
 
 bench-reward: install
 	$(PY) tests/bench_reward.py

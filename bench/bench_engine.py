@@ -1,0 +1,194 @@
+"""Benchmark of the hybrid engine on one GPU: generation, weight sync, sleep / wake, memory, parity.
+
+    torchrun --nproc_per_node=1 bench/bench_engine.py --model /path/to/Qwen2.5-0.5B-Instruct [--out DIR]
+
+Prints one table (and writes bench_engine.json to --out):
+- generation tokens/s through our engine (sleep mode, log-probs returned) vs plain vLLM (a separate
+  process, default settings, no sleep mode) on the same prompts and sampling parameters;
+- a full weight sync from sleep (wake weights + push every tensor from the FSDP2 shards + wake
+  the KV cache), the push alone, GB/s of the push;
+- sleep and wake times, GPU memory held while the engine sleeps;
+- the bf16 log-prob gap between the engine and the FSDP2 actor on freshly sampled responses.
+Without --model, a random model shaped like Qwen2.5-0.5B is built (token ids only, no tokenizer needed).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import sharding  # noqa: E402
+from rollout import VLLMEngine, logprob_gap  # noqa: E402
+
+
+def prompts_for(model_path, count, seed=0):
+    """GSM8K-like prompt token ids: the GSM8K test questions through the chat template when a
+    tokenizer and the data are at hand, else random ids of GSM8K's prompt lengths (~100-200)."""
+    g = torch.Generator().manual_seed(seed)
+    data = os.environ.get("GSM8K_JSONL", "/tmp/stage/gsm8k_test.jsonl")
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(model_path)
+        rows = [json.loads(line) for line in open(data)][:count]
+        suffix = ' Let\'s think step by step and output the final answer after "####".'
+        texts = [tok.apply_chat_template([{"role": "user", "content": r["question"] + suffix}],
+                                         add_generation_prompt=True, tokenize=False) for r in rows]
+        return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    except Exception:
+        return [torch.randint(100, 20000, (int(torch.randint(100, 200, (1,), generator=g)),), generator=g).tolist()
+                for _ in range(count)]
+
+
+def random_qwen25_05b(path):
+    """A random-init model with Qwen2.5-0.5B-Instruct's shape (494M parameters, tied embeddings)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    from tests.tiny import make_tiny_tokenizer
+    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                         tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                         eos_token_id=151645, pad_token_id=151643)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def plain_vllm(args):
+    """Standalone vLLM as a user would run it (own process, no sleep mode): tokens/s."""
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=args.model, dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization,
+              max_model_len=args.max_model_len, seed=0)
+    prompts = [{"prompt_token_ids": p} for p in prompts_for(args.model, args.prompts)]
+    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens)
+    llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    print(json.dumps({"plain_tokens": tokens, "plain_s": dt}), flush=True)
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def main(args):
+    from transformers import AutoModelForCausalLM
+    import train_grpo
+
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 0)
+    res = {"model": args.model, "gpu": torch.cuda.get_device_name(0), "prompts": args.prompts, "n": args.n,
+           "max_tokens": args.max_tokens}
+
+    actor = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    sharding.apply_fsdp2(actor)
+    n_params = sum(p.numel() for p in actor.parameters())
+    torch.cuda.synchronize()
+    base_used = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
+
+    t = time.perf_counter()
+    engine = VLLMEngine(args.model, gpu_memory_utilization=args.gpu_memory_utilization,
+                        max_model_len=args.max_model_len, load_format="dummy")
+    res["engine_init_s"] = time.perf_counter() - t
+    res["first_push_s"] = timed(lambda: engine.update_weights(sharding.iter_full_tensors(actor, torch.bfloat16)))
+
+    prompts = prompts_for(args.model, args.prompts)
+    engine.generate(prompts[:8], n=args.n, max_tokens=args.max_tokens, seed=0)  # warm-up
+    out = []
+    dt = timed(lambda: out.append(engine.generate(prompts, n=args.n, max_tokens=args.max_tokens, seed=0)))
+    tokens = sum(len(s.token_ids) for o in out[0] for s in o)
+    res |= {"ours_tokens": tokens, "ours_s": dt, "ours_tok_s": tokens / dt}
+
+    # parity: the FSDP2 actor (bf16 compute) re-scores 64 sampled responses
+    samples = [(p, s.token_ids) for p, o in zip(prompts[:64], out[0][:64]) for s in o[:1]]
+    T = max(len(r) for _, r in samples)
+    lp = train_grpo.batched_log_probs(actor, samples, 8, 1.0, True, T)
+    rlp = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for o in out[0][:64] for s in o[:1]], device=device)
+    _, mask = train_grpo.response_targets(samples, T, device)
+    res["logprob_gap_bf16"] = logprob_gap(lp, rlp, mask)
+
+    # sleep / wake / sync
+    sleeps, wakes, syncs, pushes = [], [], [], []
+    for _ in range(3):
+        sleeps.append(timed(engine.sleep))
+        used = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
+        res["sleeping_engine_gib"] = (used - base_used) / 2**30
+        wakes.append(timed(engine.wake_up))
+        engine.sleep()
+        syncs.append(timed(lambda: engine.update_weights(sharding.iter_full_tensors(actor, torch.bfloat16))))
+        pushes.append(timed(lambda: engine.update_weights(sharding.iter_full_tensors(actor, torch.bfloat16))))
+    push_bytes = n_params * 2
+    res |= {"sleep_s": statistics.median(sleeps), "wake_s": statistics.median(wakes),
+            "full_sync_ms": 1e3 * statistics.median(syncs), "push_ms": 1e3 * statistics.median(pushes),
+            "push_gb_s": push_bytes / statistics.median(pushes) / 1e9, "params": n_params}
+
+    # plain vLLM in its own process, after ours is asleep (its memory released)
+    engine.sleep()
+    env = dict(os.environ, RANK="", WORLD_SIZE="", LOCAL_RANK="")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+              "ROLE_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, __file__, "--plain", "--model", args.model, "--prompts", str(args.prompts),
+                           "--n", str(args.n), "--max_tokens", str(args.max_tokens),
+                           "--gpu_memory_utilization", str(args.gpu_memory_utilization)],
+                          env=env, capture_output=True, text=True)
+    line = [x for x in proc.stdout.splitlines() if x.startswith('{"plain_tokens"')]
+    if line:
+        plain = json.loads(line[-1])
+        res |= {"plain_tok_s": plain["plain_tokens"] / plain["plain_s"]}
+        res["ours_vs_plain"] = res["ours_tok_s"] / res["plain_tok_s"]
+    else:
+        res["plain_error"] = (proc.stdout + proc.stderr)[-2000:]
+
+    rows = [("generation, ours (tok/s)", res["ours_tok_s"], ">= 0.9 x plain"),
+            ("generation, plain vLLM (tok/s)", res.get("plain_tok_s", float("nan")), ""),
+            ("ours / plain", res.get("ours_vs_plain", float("nan")), ">= 0.90"),
+            ("full sync: wake + push + wake (ms)", res["full_sync_ms"], "<= 100"),
+            ("push alone (ms)", res["push_ms"], "15-20 measured before"),
+            ("push (GB/s, bf16)", res["push_gb_s"], ""),
+            ("sleep (s)", res["sleep_s"], ""), ("wake (s)", res["wake_s"], ""),
+            ("GPU memory held asleep (GiB)", res["sleeping_engine_gib"], "<= 2"),
+            ("log-prob gap, bf16", res["logprob_gap_bf16"], "~1e-2"),
+            ("engine init (s)", res["engine_init_s"], "")]
+    print(f"\n{res['gpu']}, {res['model']}, {args.prompts} prompts x n={args.n} x <= {args.max_tokens} tokens")
+    print(f"{'what':40s} {'measured':>12s}   target")
+    for name, value, target in rows:
+        print(f"{name:40s} {value:12.4g}   {target}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_engine.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    sys.stdout.flush()
+    os._exit(0)  # vLLM's own teardown of the process group at exit is noisy and adds nothing here
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None)
+    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--n", type=int, default=5)
+    p.add_argument("--max_tokens", type=int, default=512)
+    p.add_argument("--max_model_len", type=int, default=2048)
+    p.add_argument("--gpu_memory_utilization", type=float, default=0.5)
+    p.add_argument("--out", default=os.environ.get("OUT"))
+    p.add_argument("--plain", action="store_true")
+    a = p.parse_args()
+    a.model = a.model or random_qwen25_05b("/tmp/models/random-qwen2.5-0.5b")
+    plain_vllm(a) if a.plain else main(a)

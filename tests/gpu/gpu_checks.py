@@ -1,0 +1,104 @@
+"""The engine's checks on a GPU with NCCL, bf16 and level-2 sleep (run by tests/gpu/test_gpu.py).
+
+    torchrun --nproc_per_node=1 tests/gpu/gpu_checks.py MODEL_DIR OUT_JSON
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+import sharding  # noqa: E402
+import train_grpo  # noqa: E402
+from rollout import VLLMEngine, logprob_gap  # noqa: E402
+
+
+def used_gib():
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**30
+
+
+def main(model_path, out_path):
+    from transformers import AutoModelForCausalLM
+
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 0)
+    res = {}
+    actor = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    sharding.apply_fsdp2(actor)
+    engine = VLLMEngine(model_path, gpu_memory_utilization=0.3, max_model_len=1024, load_format="dummy")
+    push = lambda: engine.update_weights(sharding.iter_full_tensors(actor, torch.bfloat16))  # noqa: E731
+    push()
+    prompts = [list(range(100 + i, 140 + i)) for i in range(8)]
+    greedy = lambda: [s.token_ids for o in engine.generate(prompts, temperature=0, max_tokens=24) for s in o]  # noqa
+    before = greedy()
+
+    # the trained weights arrive: a perturbation changes the output, the engine agrees with the actor
+    originals = {n: p.detach().clone() for n, p in actor.named_parameters()}
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.add_(torch.randn_like(p) * 0.02 * p.detach().abs().mean())
+    push()
+    after = greedy()
+    res["perturbed_changes_output"] = after != before
+    sampled = engine.generate(prompts, n=4, temperature=1.0, max_tokens=32, seed=0)
+    samples = [(p, s.token_ids) for p, o in zip(prompts, sampled) for s in o]
+    T = max(len(r) for _, r in samples)
+    lp = train_grpo.batched_log_probs(actor, samples, 8, 1.0, True, T)
+    rlp = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for o in sampled for s in o], device=device)
+    res["logprob_gap_bf16"] = logprob_gap(lp, rlp, train_grpo.response_targets(samples, T, device)[1])
+    with torch.no_grad():
+        for n, p in actor.named_parameters():
+            p.copy_(originals[n])
+    push()
+    res["restore_restores_output"] = greedy() == before
+
+    # level-2 sleep releases the weights and the KV cache; a sync from sleep gives the same output
+    awake = used_gib()
+    engine.sleep()
+    res["freed_by_sleep_gib"] = awake - used_gib()
+    push()
+    res["sync_from_sleep_same_output"] = greedy() == before
+
+    # checkpoint round trip on GPU, and an export that plain vLLM loads and generates identically
+    with tempfile.TemporaryDirectory() as tmp:
+        opt = torch.optim.AdamW(actor.parameters(), lr=1e-5)
+        sharding.save_checkpoint(tmp, 1, {"actor": actor}, {"actor": opt})
+        ids = torch.tensor([prompts[0]], device=device)
+        ref_logits = actor(ids).logits.float()
+        with torch.no_grad():
+            for p in actor.parameters():
+                p.zero_()
+        sharding.load_checkpoint(sharding.latest_checkpoint(tmp), {"actor": actor}, {"actor": opt})
+        res["checkpoint_roundtrip_max_diff"] = (actor(ids).logits.float() - ref_logits).abs().max().item()
+        export = sharding.export_hf(os.path.join(tmp, "hf"), actor)
+        script = ("import json,sys; from vllm import LLM, SamplingParams; llm=LLM(model=sys.argv[1], "
+                  "gpu_memory_utilization=0.2, max_model_len=1024, enforce_eager=True); "
+                  "o=llm.generate([{'prompt_token_ids': p} for p in json.loads(sys.argv[2])], "
+                  "SamplingParams(temperature=0, max_tokens=24)); "
+                  "print('TOKENS', json.dumps([list(x.outputs[0].token_ids) for x in o]))")
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                                "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+        proc = subprocess.run([sys.executable, "-c", script, export, json.dumps(prompts)], capture_output=True,
+                              text=True, env=env)
+        line = [x for x in proc.stdout.splitlines() if x.startswith("TOKENS ")]
+        res["export_loads_in_vllm"] = bool(line)
+        res["export_same_greedy"] = bool(line) and json.loads(line[0][7:]) == before
+        if not line:
+            res["export_error"] = proc.stderr[-3000:]
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res, indent=1), flush=True)
+    os._exit(0)  # skip vLLM's noisy teardown of the process group
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,43 @@
+"""GPU-only checks; skipped without CUDA. Run on a GPU machine with `make test-gpu`.
+
+The model is $GPU_TEST_MODEL (default /tmp/models/qwen2.5-coder-0.5b-instruct); without it, a
+random model shaped like Qwen2.5-0.5B is built.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def model_path():
+    path = os.environ.get("GPU_TEST_MODEL", "/tmp/models/qwen2.5-coder-0.5b-instruct")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from bench_engine import random_qwen25_05b
+    return random_qwen25_05b("/tmp/models/random-qwen2.5-0.5b")
+
+
+def test_engine_on_gpu(tmp_path):
+    out = tmp_path / "res.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
+                           os.path.join(ROOT, "tests/gpu/gpu_checks.py"), model_path(), str(out)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = json.loads(out.read_text())
+    print(json.dumps(res, indent=1))
+    assert res["perturbed_changes_output"]
+    assert res["restore_restores_output"]
+    assert res["sync_from_sleep_same_output"]
+    assert res["logprob_gap_bf16"] < 0.05
+    assert res["freed_by_sleep_gib"] > 1.0
+    assert res["checkpoint_roundtrip_max_diff"] == 0.0
+    assert res["export_loads_in_vllm"], res.get("export_error")
+    assert res["export_same_greedy"]
