@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -87,15 +86,24 @@ def apply_fsdp2(
     )
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
-    # The root unit holds the embeddings, final norm and head; it is gathered for the whole
-    # forward (reshard_after_forward=False saves one all-gather in backward).
-    fully_shard(model, reshard_after_forward=False, **kwargs)
+    # The root unit holds the embeddings, final norm and head. FSDP2 never reshards the root after
+    # forward (backward would gather it again at once): see `reshard`.
+    fully_shard(model, **kwargs)
     return model
 
 
 def hf_name(name: str) -> str:
     """A parameter name as the Hugging Face checkpoint spells it (wrapper prefixes removed)."""
     return _WRAPPER_PREFIXES.sub("", name)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free every unsharded parameter copy. After a no-grad forward (log-probs, validation) the
+    root unit still holds its gathered params in param_dtype (bf16) in place of the fp32 shards:
+    reading or writing parameters then would see those copies."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 @torch.no_grad()
@@ -108,11 +116,7 @@ def iter_full_tensors(
     bytes of an fp32 one. Tied parameters appear once (under the first name, as in the checkpoint).
     Only one gathered tensor is alive per step of the iterator if the consumer does not keep it.
     """
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            # The root is not resharded after forward (see apply_fsdp2): after a no-grad forward it
-            # still holds its unsharded copies in param_dtype (bf16), not the fp32 masters.
-            module.reshard()
+    reshard(model)
     for name, param in model.named_parameters():
         tensor = param.data
         if dtype is not None:
@@ -279,7 +283,7 @@ def export_hf(
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
         config = model.config.__class__.from_dict(model.config.to_dict())
-        config.torch_dtype = dtype
+        config.dtype = dtype
         config.use_cache = True
         config.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:

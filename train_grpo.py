@@ -644,6 +644,7 @@ def main(args):
 
             # 5 update: mini-batches x epochs, micro-batch gradient accumulation, global normalisation
             with timer("update_actor"):
+                lr = scheduler.get_last_lr()[0]  # the rate of this update (after step() it is the next one's)
                 update_stats = update_actor(actor, optimizer, samples, old_log_probs,
                                             ref_log_probs if args.use_kl_loss else None, advantages,
                                             response_mask, args, step, device)
@@ -676,7 +677,7 @@ def main(args):
             if any(g["example"].data_source in reward.SCORERS for g in groups) else float("nan"),
             "rollout/logprob_gap_mean": logprob_gap(old_log_probs, rollout_log_probs, response_mask),
             "rollout/gen_rounds": float(rounds), "reward/errors": float(n_errors),
-            "actor/lr": scheduler.get_last_lr()[0],
+            "actor/lr": lr,
             "perf/throughput": (prompt_tokens + lengths.sum().item()) / t["timing_s/step"] / world,
             "perf/gen_tokens_per_s": lengths.sum().item() / t["timing_s/gen"],
             "perf/mfu/actor": 3 * args.ppo_epochs * fpt * (prompt_tokens + lengths.sum().item())

@@ -55,6 +55,7 @@ def main(model_path, out_path):
     lp = train_grpo.batched_log_probs(actor, samples, 8, 1.0, True, T)
     rlp = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for o in sampled for s in o], device=device)
     res["logprob_gap_bf16"] = logprob_gap(lp, rlp, train_grpo.response_targets(samples, T, device)[1])
+    sharding.reshard(actor)  # the no-grad forward above left the root's bf16 copies in place
     with torch.no_grad():
         for n, p in actor.named_parameters():
             p.copy_(originals[n])
@@ -74,12 +75,14 @@ def main(model_path, out_path):
         sharding.save_checkpoint(tmp, 1, {"actor": actor}, {"actor": opt})
         ids = torch.tensor([prompts[0]], device=device)
         ref_logits = actor(ids).logits.float()
+        sharding.reshard(actor)
         with torch.no_grad():
             for p in actor.parameters():
                 p.zero_()
         sharding.load_checkpoint(sharding.latest_checkpoint(tmp), {"actor": actor}, {"actor": opt})
         res["checkpoint_roundtrip_max_diff"] = (actor(ids).logits.float() - ref_logits).abs().max().item()
-        export = sharding.export_hf(os.path.join(tmp, "hf"), actor)
+        from transformers import AutoTokenizer
+        export = sharding.export_hf(os.path.join(tmp, "hf"), actor, AutoTokenizer.from_pretrained(model_path))
         script = ("import json,sys; from vllm import LLM, SamplingParams; llm=LLM(model=sys.argv[1], "
                   "gpu_memory_utilization=0.2, max_model_len=1024, enforce_eager=True); "
                   "o=llm.generate([{'prompt_token_ids': p} for p in json.loads(sys.argv[2])], "

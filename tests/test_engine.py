@@ -1,0 +1,302 @@
+"""The hybrid engine: rollout.py's layout helpers and transformers engine (in this process), and
+sharding.py + the vLLM engine under torchrun with 2 gloo ranks on CPU (tests/dist/engine_checks.py),
+then a world-size-1 resume and the exported folders (tests/dist/load_checks.py).
+
+The two torchrun launches run once per session (~40 s together); their scripts record numbers into
+JSON files and the tests below assert on them, one property per test.
+"""
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import rollout
+from rollout import HFEngine, group_share, logprob_gap, tp_layout
+from tests.tiny import make_tiny_tokenizer
+from tests.tiny_model import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+# --------------------------------------------------------------------------- layout (pure)
+
+
+def test_tp_layout_blocks_of_consecutive_ranks():
+    # world 4, tp 2: ranks {0, 1} are group 0 and {2, 3} group 1, as vLLM's external launcher lays them out
+    assert [tp_layout(r, 4, 2) for r in range(4)] == [(0, 2, 0), (0, 2, 1), (1, 2, 0), (1, 2, 1)]
+    groups = {g: [r for r in range(8) if tp_layout(r, 8, 4)[0] == g] for g in range(2)}
+    assert groups == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+    # tp 1: every rank is its own data-parallel group; tp = world: one group
+    assert [tp_layout(r, 4, 1) for r in range(4)] == [(r, 4, 0) for r in range(4)]
+    assert [tp_layout(r, 4, 4) for r in range(4)] == [(0, 1, r) for r in range(4)]
+
+
+@pytest.mark.parametrize("world, tp", [(4, 3), (4, 0), (2, -1), (6, 4)])
+def test_tp_layout_rejects_sizes_that_do_not_divide(world, tp):
+    with pytest.raises(ValueError, match="must divide"):
+        tp_layout(0, world, tp)
+
+
+def test_group_share_tp2():
+    items = list(range(8))  # 8 prompts, world 4, tp 2: each group generates 4, each rank trains on 2
+    shares = [group_share(items, r, 4, 2) for r in range(4)]
+    assert [mine for mine, _ in shares] == [[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 6, 7], [4, 5, 6, 7]]
+    assert [sl for _, sl in shares] == [slice(0, 2), slice(2, 4), slice(0, 2), slice(2, 4)]
+    # each rank's training share is its own block of the global list, so the ranks cover it once
+    assert [x for mine, sl in shares for x in mine[sl]] == items
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_group_share_tp1_gives_each_rank_its_own_share(world):
+    items = [f"p{i}" for i in range(4 * world)]
+    for r in range(world):
+        mine, sl = group_share(items, r, world, 1)
+        assert mine == items[4 * r:4 * (r + 1)]
+        assert mine[sl] == mine
+
+
+def test_group_share_rejects_uneven_splits():
+    with pytest.raises(ValueError, match="do not split evenly"):
+        group_share(list(range(6)), 0, 4, 1)
+    with pytest.raises(ValueError, match="must divide"):
+        group_share(list(range(6)), 0, 6, 4)
+
+
+def test_logprob_gap_by_hand():
+    log_probs = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -0.5]])
+    rollout_log_probs = torch.tensor([[-1.1, -2.0, -9.0], [-0.2, -0.5, -0.5]])
+    response_mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    # |diffs| on the 3 response tokens: 0.1, 0.0, 0.3 (the masked 6.0 never counts) -> mean 0.4 / 3
+    assert logprob_gap(log_probs, rollout_log_probs, response_mask) == pytest.approx(0.4 / 3)
+    assert logprob_gap(log_probs, rollout_log_probs, torch.zeros(2, 3)) == 0.0
+
+
+def test_make_engine_rejects_unknown_kind():
+    with pytest.raises(ValueError, match="vllm or hf"):
+        rollout.make_engine("sglang", "unused")
+
+
+# --------------------------------------------------------------------------- HFEngine
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("engine") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tok = make_tiny_tokenizer()
+    return [tok.encode(p) for p in ["hi", "The quick brown fox", "1 + 2 ="]]  # lengths 2, 19, 7: left padding
+
+
+def test_hf_engine_fixed_seed_is_reproducible(tiny_dir, prompts):
+    kw = {"n": 2, "temperature": 1.0, "max_tokens": 12}
+    first = HFEngine(tiny_dir, seed=3).generate(prompts, **kw)
+    assert HFEngine(tiny_dir, seed=3).generate(prompts, **kw) == first
+    engine = HFEngine(tiny_dir, seed=3)
+    engine.generate(prompts, **kw)
+    assert engine.generate(prompts, **kw) != first  # the next call draws new samples
+    assert HFEngine(tiny_dir, seed=4).generate(prompts, **kw) != first
+    assert HFEngine(tiny_dir, seed=0).generate(prompts, **kw, seed=7) == HFEngine(tiny_dir, seed=9).generate(
+        prompts, **kw, seed=7)  # an explicit seed overrides the engine's
+    assert [len(group) for group in first] == [2, 2, 2]
+
+
+def test_hf_engine_logprobs_are_log_softmax_of_logits_over_temperature(tiny_dir, prompts):
+    engine = HFEngine(tiny_dir, seed=1)
+    temperature = 0.7
+    samples = engine.generate(prompts, n=2, temperature=temperature, max_tokens=12)
+    for p, group in zip(prompts, samples):
+        for s in group:
+            ids = torch.tensor([p + s.token_ids])  # unpadded: the batched, left-padded run must agree
+            logits = engine.model(input_ids=ids).logits[0, len(p) - 1:-1].float()  # (T, V)
+            expected = torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(s.token_ids)[:, None])
+            torch.testing.assert_close(torch.tensor(s.logprobs), expected.squeeze(-1), atol=1e-5, rtol=0)
+
+
+def test_hf_engine_top_k_logprobs_are_renormalised(tiny_dir, prompts):
+    engine = HFEngine(tiny_dir, seed=1)
+    samples = engine.generate(prompts[:1], n=4, temperature=1.0, top_k=3, max_tokens=8)
+    p = prompts[0]
+    for s in samples[0]:
+        logits = engine.model(input_ids=torch.tensor([p + s.token_ids])).logits[0, len(p) - 1:-1].float()
+        top = logits.topk(3, -1)
+        assert all(t in row for t, row in zip(s.token_ids, top.indices.tolist()))  # only top-3 tokens drawn
+        expected = torch.log_softmax(top.values, -1)[top.indices == torch.tensor(s.token_ids)[:, None]]
+        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_hf_engine_finish_reasons(tiny_dir, prompts):
+    engine = HFEngine(tiny_dir, seed=0)
+    greedy = engine.generate(prompts, temperature=0, max_tokens=16)
+    assert all(g[0].finish_reason == "length" and len(g[0].token_ids) == 16 for g in greedy)
+    # make a greedy token of prompt 0 that prompt 2 never emits the EOS: prompt 0 stops there with
+    # "stop", prompt 2 runs to "length", unchanged by its neighbour having finished
+    eos = next(t for t in greedy[0][0].token_ids[1:] if t not in greedy[2][0].token_ids)
+    first = greedy[0][0].token_ids.index(eos)
+    engine.model.generation_config.eos_token_id = eos
+    stopped = engine.generate([prompts[0], prompts[2]], temperature=0, max_tokens=16)
+    assert stopped[0][0].token_ids == greedy[0][0].token_ids[:first + 1]
+    assert stopped[0][0].finish_reason == "stop"
+    assert stopped[1][0].token_ids == greedy[2][0].token_ids
+    assert stopped[1][0].finish_reason == "length"
+
+
+def test_hf_engine_stop_token_ends_a_sampled_response(tiny_dir, prompts):
+    # one prompt, one sample: the same seed draws the same tokens until the stop token is sampled
+    sample = HFEngine(tiny_dir, seed=0).generate(prompts[1:2], temperature=1.0, max_tokens=16, seed=5)[0][0]
+    assert sample.finish_reason == "length" and len(sample.token_ids) == 16
+    stop = sample.token_ids[6]
+    first = sample.token_ids.index(stop)
+    stopped = HFEngine(tiny_dir, seed=0).generate(prompts[1:2], temperature=1.0, max_tokens=16, seed=5,
+                                                  stop_token_ids=[stop])[0][0]
+    assert stopped.token_ids == sample.token_ids[:first + 1]
+    assert stopped.logprobs == sample.logprobs[:first + 1]
+    assert stopped.finish_reason == "stop"
+
+
+def test_hf_engine_update_weights(tiny_dir, prompts):
+    engine = HFEngine(tiny_dir, seed=0)
+    before = engine.generate(prompts, temperature=0, max_tokens=8)
+    named = {k: v.clone() for k, v in engine.model.named_parameters()}
+    engine.update_weights((k, v + 0.05 * torch.randn_like(v)) for k, v in named.items())
+    assert engine.generate(prompts, temperature=0, max_tokens=8) != before
+    engine.update_weights(named.items())
+    assert engine.generate(prompts, temperature=0, max_tokens=8) == before
+    with pytest.raises(KeyError, match="unknown parameter"):
+        engine.update_weights([("lm_head.weight.typo", torch.zeros(1))])
+
+
+# --------------------------------------------------------------------------- torchrun: FSDP2 + vLLM
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(nproc: int, script: str, work: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1",
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
+           str(_free_port()), script, str(work)]
+    log = work / f"{Path(script).stem}.log"
+    try:
+        with open(log, "w") as f:
+            proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=400)
+        failed = proc.returncode != 0 and f"exit code {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        failed = "timed out"
+    if failed:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:])
+        pytest.fail(f"{' '.join(cmd)}: {failed}; last lines of {log}:\n{tail}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def dist_results(tmp_path_factory):
+    """(per-rank results of the 2-rank run, results of the world-size-1 run)."""
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed")
+    work = tmp_path_factory.mktemp("dist")
+    _torchrun(2, "tests/dist/engine_checks.py", work)
+    _torchrun(1, "tests/dist/load_checks.py", work)
+    return json.loads((work / "engine_checks.json").read_text()), json.loads((work / "load_checks.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def ranks(dist_results):
+    return dist_results[0]
+
+
+def test_fsdp2_step_equals_unsharded(ranks):
+    for r in ranks:
+        assert r["sharded"]
+        assert r["loss_diff"] < 1e-6 and r["loss_diff_gc"] < 1e-6
+        assert r["grad_diff"] < 1e-6 and r["grad_diff_gc"] < 1e-6, (r["grad_diff"], r["grad_max"])
+        # against two accumulated micro-batches (the ranks' rows) the gradients sum in the same order
+        assert r["param_diff_mb"] < 1e-6
+        # against one backward over the concatenation the gradients differ by fp32 summation order
+        # (~4e-7); AdamW divides by sqrt(v), which grows that to ~1e-5 in near-zero gradients
+        # at lr 1e-2, still a thousandth of one step
+        assert r["param_diff"] < 5e-5 and r["param_diff_gc"] < 5e-5
+
+
+def test_iter_full_tensors_equals_unsharded_state_dict(ranks):
+    for r in ranks:
+        for tag in ("plain", "gc"):  # gc: gradient checkpointing on
+            assert r[f"full_names_{tag}"], "names differ from the state dict (minus the tied lm_head)"
+            assert r[f"full_exact_{tag}"]
+            assert r[f"full_bf16_{tag}"]
+        assert r["full_exact_after_bf16_forward"], "a no-grad forward left bf16 root parameters in the stream"
+
+
+def test_vllm_after_push_matches_transformers(ranks):
+    for r in ranks:
+        assert r["embed_moved"] > 1e-2  # training moved the tied embeddings, so the push must carry them
+        assert r["greedy_changed_by_push"]
+        assert r["greedy_equal_hf"]
+        assert r["gap_trained"] < 1e-4 and r["gap_trained_ref"] < 1e-4
+    assert ranks[0]["greedy_tokens"] == ranks[1]["greedy_tokens"]
+
+
+def test_vllm_perturbed_weights_change_output_and_restore_exactly(ranks):
+    for r in ranks:
+        assert r["pert_tied"]
+        assert r["gap_stale_head"] > 1e-2, "the gap check does not see a stale tied lm_head"
+        assert r["pert_changed"] and r["pert_equal_hf"]
+        assert r["gap_pert"] < 1e-4
+        assert r["restored_tokens"] and r["restored_logprobs"]
+        assert r["gap_restored"] < 1e-4
+        assert r["gap_bf16_push"] < 5e-2  # a bf16 stream: close, not exact
+
+
+def test_vllm_dp_groups_sample_differently(ranks):
+    assert [r["dp_layout"] for r in ranks] == [[[0, 2, 0], [1, 2, 0]]] * 2  # tp=1: two groups
+    assert ranks[0]["ranks_sample_differently"]
+
+
+def test_checkpoint_saved_by_2_ranks_resumes_on_1(dist_results):
+    load = dist_results[1]
+    assert load["saved_world_size"] == 2
+    assert load["trainer_state"] == load["trainer_state_expected"]
+    assert load["logits_diff"] == 0.0
+    assert load["optim_has_moments"] and load["optim_equal"]
+    assert load["sched_equal"]
+    assert load["logits_step3_diff"] < 1e-6  # the next AdamW step from the loaded state matches
+
+
+def test_interrupted_save_keeps_previous_checkpoint(ranks):
+    for r in ranks:
+        assert r["crash_raised"]
+        assert r["latest_after_crash"] == "ckpt/global_step_2"
+        assert r["list_after_crash"] == [2] and r["tmp_left"]
+        assert r["loaded_state_ws2"] == {"global_step": 2, "world_size": 2, "epoch": 0, "data_index": 7}
+        assert r["loaded_logits_diff_ws2"] == 0.0
+        assert r["loaded_lr_ws2"][0] == r["loaded_lr_ws2"][1]
+        assert r["list_after_retry"] == [2, 3] and not r["tmp_left_after_retry"]
+
+
+def test_keep_last_prunes_old_checkpoints(ranks):
+    for r in ranks:
+        assert r["pruned"] == ["global_step_3", "global_step_4", "latest_checkpointed_iteration.txt"]
+        assert r["tracker"] == "4"
+
+
+def test_export_hf_loads_in_transformers_and_vllm(dist_results):
+    load = dist_results[1]
+    assert load["export_dtype"] == "torch.float32" and load["export_tied"]
+    assert load["export_logits_diff"] == 0.0
+    assert load["export_hf_greedy"]
+    assert load["export_vllm_greedy"]
+    assert load["export_bf16_dtype"] == "torch.bfloat16" and load["export_bf16_weights"]
