@@ -1,0 +1,435 @@
+"""train_grpo.py's math against small examples worked out by hand, and its properties: masked positions
+never change a result, micro-batching leaves the gradient unchanged, packed equals padded.
+
+Shapes as in train_grpo.py: N sequences (B prompts x n samples), T response tokens, V vocabulary.
+"""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import train_grpo
+from train_grpo import (
+    Args,
+    agg_loss,
+    batch_order,
+    check_args,
+    compute_grpo_outcome_advantage,
+    compute_policy_loss,
+    entropy_from_logits,
+    flops_per_token,
+    forward_log_probs,
+    kl_penalty,
+    lr_lambda,
+)
+from tests.tiny_model import tiny_config
+
+MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def close(actual, expected, atol=1e-4):
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32),
+                               torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=0)
+
+
+# --- advantages ----------------------------------------------------------------------------------
+
+
+def test_grpo_advantage_group_of_three():
+    # group [1, 0, 0]: mean = 1/3, deviations [2/3, -1/3, -1/3]
+    # unbiased var = (4/9 + 1/9 + 1/9) / (3 - 1) = 1/3, std = sqrt(1/3) = 0.57735
+    # A = [2/3, -1/3, -1/3] / (0.57735 + 1e-6) = [1.1547, -0.57735, -0.57735]
+    scores = torch.tensor([1.0, 0.0, 0.0])
+    mask = torch.ones(3, 2)
+    adv = compute_grpo_outcome_advantage(scores, mask, n=3)  # (N, T)
+    close(adv, [[1.1547, 1.1547], [-0.57735, -0.57735], [-0.57735, -0.57735]])
+    # eps sits in the denominator: 1e-6 / 0.57735 = 1.7e-6 relative, below the 4 digits above
+    std = math.sqrt(1 / 3)
+    close(adv[:, 0], [(2 / 3) / (std + 1e-6), (-1 / 3) / (std + 1e-6), (-1 / 3) / (std + 1e-6)], atol=1e-6)
+    assert adv[0, 0] < (2 / 3) / std  # eps pulls the magnitude down, never up
+
+
+def test_dr_grpo_advantage_is_not_divided_by_std():
+    # Dr.GRPO: A = r - mean = [1 - 1/3, 0 - 1/3, 0 - 1/3] = [0.6667, -0.3333, -0.3333]
+    adv = compute_grpo_outcome_advantage(torch.tensor([1.0, 0.0, 0.0]), torch.ones(3, 1), n=3,
+                                         norm_adv_by_std=False)
+    close(adv[:, 0], [2 / 3, -1 / 3, -1 / 3], atol=1e-6)
+
+
+def test_groups_are_consecutive_rows_and_equal_scores_give_zero():
+    # two groups of n = 2: [3, 1] -> mean 2, std = sqrt(((1)^2 + (-1)^2) / 1) = 1.4142, A = [0.7071, -0.7071]
+    #                      [5, 5] -> all equal: mean 5, std 0, A = 0 / (0 + eps) = 0 (no signal, no nan)
+    adv = compute_grpo_outcome_advantage(torch.tensor([3.0, 1.0, 5.0, 5.0]), torch.ones(4, 1), n=2)
+    close(adv[:, 0], [0.70711, -0.70711, 0.0, 0.0])
+    assert torch.isfinite(adv).all()
+    adv = compute_grpo_outcome_advantage(torch.tensor([0.5] * 4), torch.ones(4, 3), n=4)
+    assert torch.equal(adv, torch.zeros(4, 3))
+
+
+def test_advantage_is_zero_on_padding():
+    # response lengths 3, 1, 2: the mask zeroes the rest of each row
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]], dtype=torch.float)
+    adv = compute_grpo_outcome_advantage(torch.tensor([1.0, 0.0, 0.0]), mask, n=3)
+    close(adv, [[1.1547, 1.1547, 1.1547], [-0.57735, 0, 0], [-0.57735, -0.57735, 0]])
+
+
+# --- policy loss ---------------------------------------------------------------------------------
+
+
+def policy_loss(log_ratio, adv, mask=None, low=0.2, high=0.2, c=3.0):
+    log_ratio = torch.tensor([log_ratio], dtype=torch.float)  # (1, T)
+    adv = torch.tensor([adv], dtype=torch.float)
+    mask = torch.ones_like(adv) if mask is None else torch.tensor([mask], dtype=torch.float)
+    old = torch.full_like(adv, -2.0)
+    return compute_policy_loss(old, old + log_ratio, adv, mask, low, high, c)
+
+
+def test_policy_loss_clip_and_dual_clip_by_hand():
+    # token 0: A = +1, ratio = e^0.2 = 1.2214 -> clipped to 1.2; min(1.2214, 1.2) = 1.2    -> loss -1.2, clipped
+    # token 1: A = +1, ratio = e^-0.5 = 0.6065 -> clipped to 0.8; min(0.6065, 0.8) = 0.6065 -> loss -0.6065
+    #          (clipping only binds when it lowers the objective)
+    # token 2: A = -1, ratio = 5 -> clipped 1.2; min(-5, -1.2) = -5; dual-clip max(-5, c*A = -3) = -3 -> loss 3
+    #          (not counted in pg_clipfrac: the clipped term -1.2 is not the smaller one; in pg_clipfrac_lower)
+    # token 3: A = -1, ratio = 0.5 -> clipped 0.8; min(-0.5, -0.8) = -0.8; max(-0.8, -3) = -0.8 -> loss 0.8, clipped
+    # token 4: A = -2, ratio = 2 -> clipped 1.2; min(-4, -2.4) = -4; max(-4, 3 * -2 = -6) = -4  -> loss 4
+    #          (ratio 2 < c = 3: the dual clip does not bind)
+    log_ratio = [0.2, -0.5, math.log(5), math.log(0.5), math.log(2)]
+    pg_losses, stats = policy_loss(log_ratio, [1, 1, -1, -1, -2])
+    close(pg_losses, [[-1.2, -0.60653, 3.0, 0.8, 4.0]])
+    assert stats["pg_clipfrac"].item() == 2  # tokens 0 and 3
+    assert stats["pg_clipfrac_lower"].item() == 1  # token 2
+    # ppo_kl sums -log_ratio = -(0.2 - 0.5 + 1.6094 - 0.6931 + 0.6931) = -1.3094
+    close(stats["ppo_kl"], -1.30944)
+
+
+def test_dual_clip_caps_huge_ratio_at_c_times_advantage():
+    # A = -0.5, ratio = e^20 (log ratio 30 clamped to 20): the loss is capped at -c * A = 3 * 0.5 = 1.5
+    pg_losses, stats = policy_loss([30.0], [-0.5])
+    close(pg_losses, [[1.5]])
+    assert stats["pg_clipfrac_lower"].item() == 1
+    # the same with c = 10: cap 10 * 0.5 = 5
+    close(policy_loss([30.0], [-0.5], c=10.0)[0], [[5.0]])
+
+
+def test_clip_higher_uses_asymmetric_bounds():
+    # DAPO: eps_low 0.2, eps_high 0.28
+    # A = +1, ratio = e^0.25 = 1.2840 -> clipped at 1 + 0.28 = 1.28 -> loss -1.28 (with eps_high 0.2: -1.2)
+    # A = -1, ratio = e^-0.3 = 0.7408 -> clipped at 1 - 0.2 = 0.8, min(-0.7408, -0.8) = -0.8 -> loss 0.8
+    pg_losses, stats = policy_loss([0.25, -0.3], [1, -1], high=0.28)
+    close(pg_losses, [[-1.28, 0.8]])
+    assert stats["pg_clipfrac"].item() == 2
+    close(policy_loss([0.25, -0.3], [1, -1], high=0.2)[0], [[-1.2, 0.8]])
+    # a ratio inside the wider band is not clipped: e^0.23 = 1.2586 < 1.28 -> loss -1.2586
+    pg_losses, stats = policy_loss([0.23], [1], high=0.28)
+    close(pg_losses, [[-1.25860]])
+    assert stats["pg_clipfrac"].item() == 0
+
+
+def test_policy_loss_stats_ignore_masked_tokens():
+    # token 1 is padding with garbage that would count as clipped, dual-clipped and in ppo_kl
+    clean, clean_stats = policy_loss([0.2, 0.0], [1, 0], mask=[1, 0])
+    dirty, dirty_stats = policy_loss([0.2, 15.0], [1, -7], mask=[1, 0])
+    assert {k: v.item() for k, v in clean_stats.items()} == {k: v.item() for k, v in dirty_stats.items()}
+    assert clean_stats["pg_clipfrac"].item() == 1 and clean_stats["pg_clipfrac_lower"].item() == 0
+    close(clean_stats["ppo_kl"], -0.2)
+    mask = torch.tensor([[1.0, 0.0]])
+    for mode in MODES:
+        assert agg_loss(clean, mask, mode, 1, 1, 2) == agg_loss(dirty, mask, mode, 1, 1, 2)
+
+
+# --- KL ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kl_type, expected", [
+    # log r = log pi - log pi_ref = [0.5, -0.5, 0]
+    ("k1", [0.5, -0.5, 0.0]),  # log r
+    ("abs", [0.5, 0.5, 0.0]),  # |log r|
+    ("k2", [0.125, 0.125, 0.0]),  # (log r)^2 / 2 = 0.25 / 2
+    ("mse", [0.125, 0.125, 0.0]),
+    # k3: r' = pi_ref / pi = e^-log r; r' - 1 - log r'
+    #   log r = 0.5:  e^-0.5 - 1 + 0.5 = 0.60653 - 0.5 = 0.10653
+    #   log r = -0.5: e^0.5 - 1 - 0.5 = 1.64872 - 1.5 = 0.14872
+    ("k3", [0.10653, 0.14872, 0.0]),
+    ("low_var_kl", [0.10653, 0.14872, 0.0]),
+])
+def test_kl_estimators_by_hand(kl_type, expected):
+    log_probs = torch.tensor([-1.0, -2.0, -0.3])
+    ref_log_probs = torch.tensor([-1.5, -1.5, -0.3])
+    close(kl_penalty(log_probs, ref_log_probs, kl_type), expected, atol=1e-5)
+
+
+def test_k3_is_clamped_and_never_negative():
+    # log r = -20: r' = e^20, r' - 1 - 20 = 4.85e8 -> clamped to 10
+    # log r = +30: -log r clamped to -20 first: e^-20 - 1 + 20 = 19.0 -> clamped to 10
+    close(kl_penalty(torch.tensor([-20.0, 30.0]), torch.zeros(2), "low_var_kl"), [10.0, 10.0])
+    log_ratio = torch.linspace(-8, 8, 101)
+    assert (kl_penalty(log_ratio, torch.zeros(101), "k3") >= 0).all()
+    with pytest.raises(ValueError, match="--kl_loss_type"):
+        kl_penalty(torch.zeros(1), torch.zeros(1), "k4")
+
+
+# --- aggregation ---------------------------------------------------------------------------------
+
+
+# loss_mat (N=2, T=3) = [[1, 2, 3], [4, 5, 6]], response_mask = [[1, 1, 0], [1, 0, 0]]
+# masked = [[1, 2, 0], [4, 0, 0]], total 7, 3 tokens, per-sequence sums [3, 4], lengths [2, 1]
+LOSS_MAT = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize("mode, local, global_", [
+    # token-mean: 7 / 3 tokens = 2.3333; global: another micro-batch holds 3 more tokens -> 7 / 6 = 1.1667
+    ("token-mean", 7 / 3, 7 / 6),
+    # seq-mean-token-sum: (3 + 4) / 2 seqs = 3.5; with 4 seqs in the mini-batch 7 / 4 = 1.75
+    ("seq-mean-token-sum", 3.5, 1.75),
+    # seq-mean-token-mean: (3/2 + 4/1) / 2 = 5.5 / 2 = 2.75; global 5.5 / 4 = 1.375
+    ("seq-mean-token-mean", 2.75, 1.375),
+    # seq-mean-token-sum-norm (Dr.GRPO): 7 / (2 seqs * max_response_length 4) = 0.875; global 7 / 16 = 0.4375
+    ("seq-mean-token-sum-norm", 0.875, 0.4375),
+])
+def test_agg_loss_by_hand(mode, local, global_):
+    close(agg_loss(LOSS_MAT, MASK, mode, num_tokens=3, num_seqs=2, max_response_length=4), local, atol=1e-6)
+    close(agg_loss(LOSS_MAT, MASK, mode, num_tokens=6, num_seqs=4, max_response_length=4), global_, atol=1e-6)
+    garbage = torch.where(MASK.bool(), LOSS_MAT, torch.tensor(1e6))
+    assert agg_loss(garbage, MASK, mode, 3, 2, 4) == agg_loss(LOSS_MAT, MASK, mode, 3, 2, 4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_agg_loss_with_global_denominators_adds_up_over_micro_batches(mode):
+    # a mini-batch of 5 rows split 2 + 3: the two partial losses sum to the whole mini-batch's loss
+    g = torch.Generator().manual_seed(0)
+    loss_mat = torch.randn(5, 4, generator=g)
+    mask = (torch.arange(4) < torch.tensor([[4], [1], [3], [0], [2]])).float()  # lengths 4, 1, 3, 0, 2
+    kw = dict(mode=mode, num_tokens=mask.sum(), num_seqs=5, max_response_length=4)
+    whole = agg_loss(loss_mat, mask, **kw)
+    parts = agg_loss(loss_mat[:2], mask[:2], **kw) + agg_loss(loss_mat[2:], mask[2:], **kw)
+    close(parts, whole, atol=1e-6)
+
+
+def test_agg_loss_names_the_flag_on_a_bad_mode():
+    with pytest.raises(ValueError, match="--loss_agg_mode 'token-sum'"):
+        agg_loss(LOSS_MAT, MASK, "token-sum", 3, 2, 4)
+
+
+# --- entropy, flops, data order, schedule ---------------------------------------------------------
+
+
+def test_entropy_from_logits():
+    # uniform over V = 8: H = log 8 = 2.0794
+    close(entropy_from_logits(torch.zeros(8)), math.log(8), atol=1e-6)
+    # p = [1/4, 3/4] from logits [0, log 3]: H = 0.25 * 1.3863 + 0.75 * 0.28768 = 0.34657 + 0.21576 = 0.56233
+    close(entropy_from_logits(torch.tensor([0.0, math.log(3)])), 0.56233, atol=1e-5)
+    # one-hot-ish: [100, 0, 0, 0] -> p_other = e^-100: H ~ 0
+    close(entropy_from_logits(torch.tensor([100.0, 0, 0, 0])), 0.0, atol=1e-6)
+    # per position over a batch: (2, 3, V) -> (2, 3); adding a constant to the logits changes nothing
+    logits = torch.randn(2, 3, 11, generator=torch.Generator().manual_seed(0))
+    h = entropy_from_logits(logits)
+    assert h.shape == (2, 3)
+    close(entropy_from_logits(logits + 50.0), h, atol=1e-4)
+
+
+def test_flops_per_token_by_hand():
+    # tiny config: h = 128, L = 2, V = 320, 4 heads and 2 kv heads of head_dim 32, intermediate 256
+    # q = 4 * 32 = 128, kv = 2 * 32 = 64
+    # per layer: q,k,v proj h*(q + 2kv) = 128 * 256 = 32768; o proj q*h = 16384; mlp 3*h*I = 98304 -> 147456
+    # 2 * (L * 147456 + V * h) = 2 * (294912 + 40960) = 671744
+    # attention at seq_len 100: 2 * L * seq_len * q = 2 * 2 * 100 * 128 = 51200 -> 722944
+    assert flops_per_token(tiny_config(tie=True), 0) == 671744
+    assert flops_per_token(tiny_config(tie=True), 100) == 722944
+    # tied and untied count the lm_head once and the embedding lookup never
+    assert flops_per_token(tiny_config(tie=False), 100) == 722944
+    # = 2 x the matrix parameters a token passes through (the tied model holds the V x h matrix once)
+    model = AutoModelForCausalLM.from_config(tiny_config(tie=True))
+    assert flops_per_token(model.config, 0) == 2 * sum(p.numel() for p in model.parameters() if p.dim() == 2)
+
+
+def test_batch_order_is_seeded_and_drops_the_last_partial_batch():
+    order = batch_order(10, 4, epoch=0, seed=1)  # 10 prompts in batches of 4: 2 batches, 2 prompts dropped
+    assert [len(b) for b in order] == [4, 4]
+    flat = [i for b in order for i in b]
+    assert len(set(flat)) == 8 and all(0 <= i < 10 for i in flat)
+    assert batch_order(10, 4, epoch=0, seed=1) == order  # a resumed run replays the same order
+    assert batch_order(10, 4, epoch=1, seed=1) != order  # a new shuffle per epoch
+    assert batch_order(10, 4, epoch=0, seed=2) != order
+    assert batch_order(8, 4, 0, 1) and len(batch_order(8, 4, 0, 1)) == 2  # exact fit keeps every batch
+    assert batch_order(3, 4, 0, 1) == []
+
+
+def test_lr_lambda_warmup_then_cosine():
+    # warmup 2 of 6 steps: (step + 1) / 2 -> 0.5, 1.0
+    # cosine after: 0.5 * (1 + cos(pi * (step - 2) / 4)) -> step 2: 1.0, 3: 0.85355, 4: 0.5, 5: 0.14645
+    f = lr_lambda(Args(lr_warmup_steps=2, lr_scheduler_type="cosine"), total_steps=6)
+    close([f(s) for s in range(6)], [0.5, 1.0, 1.0, 0.85355, 0.5, 0.14645], atol=1e-5)
+    f = lr_lambda(Args(lr_warmup_steps=2, lr_scheduler_type="constant"), total_steps=6)
+    assert [f(s) for s in range(6)] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+    # ratio 0.5 of 4 steps -> 2 warmup steps; -1 means "use the ratio"
+    f = lr_lambda(Args(lr_warmup_steps=-1, lr_warmup_steps_ratio=0.5), total_steps=4)
+    assert [f(s) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    assert lr_lambda(Args(), total_steps=4)(0) == 1.0  # default: no warmup, constant
+
+
+# --- start-up checks -----------------------------------------------------------------------------
+
+
+def good_args(**kw):
+    return Args(**{**dict(train_batch_size=8, rollout_n=2, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2,
+                          default_local_dir="/tmp/unused"), **kw})
+
+
+def test_check_args_accepts_a_good_config_and_fills_defaults():
+    args = good_args()
+    check_args(args, world_size=2)
+    assert args.kl_loss_coef == 0.001 and args.kl_coef == 0.001
+
+
+@pytest.mark.parametrize("kw, world, flag", [
+    (dict(rollout_n=1), 2, "--rollout_n"),
+    (dict(train_batch_size=6), 4, "--train_batch_size 6 must be divisible by the number of GPUs 4"),
+    (dict(train_batch_size=6, ppo_mini_batch_size=4), 2, "--ppo_mini_batch_size"),
+    (dict(ppo_micro_batch_size_per_gpu=3), 2, "--ppo_micro_batch_size_per_gpu 3"),
+    (dict(use_kl_loss=False, kl_loss_coef=0.01), 2, "--kl_loss_coef is set but --use_kl_loss is false"),
+    (dict(kl_coef=0.01), 2, "--kl_coef is set but --use_kl_in_reward is false"),
+    (dict(rollout_engine="sglang"), 2, "--rollout_engine"),
+    (dict(resume_mode="/no/such/global_step_3"), 2, "--resume_mode"),
+])
+def test_check_args_names_the_flag(kw, world, flag):
+    with pytest.raises(SystemExit, match=flag):
+        check_args(good_args(**kw), world_size=world)
+
+
+@pytest.mark.parametrize("kw, flag", [
+    (dict(loss_agg_mode="token-sum"), "--loss_agg_mode"),
+    (dict(kl_loss_type="k4"), "--kl_loss_type"),
+])
+def test_check_args_rejects_unknown_variants(kw, flag):
+    with pytest.raises(ValueError, match=flag):
+        check_args(good_args(**kw), world_size=2)
+
+
+# --- properties on a tiny model --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(), dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():  # larger weights than the default init, so log-probs are far from uniform
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.1)
+    return model
+
+
+def make_samples(lengths, seed=0):
+    """(prompt_ids, response_ids) pairs of the given (prompt, response) lengths, random byte tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 256, (p,), generator=g).tolist(), torch.randint(0, 256, (r,), generator=g).tolist())
+            for p, r in lengths]
+
+
+LENGTHS = [(5, 3), (9, 6), (3, 1), (7, 4)]  # N = 4 sequences, T = 6
+
+
+@torch.no_grad()
+def test_packed_log_probs_equal_padded_and_a_loop(model):
+    samples = make_samples(LENGTHS)
+    packed, packed_entropy = forward_log_probs(model, samples, 0.7, packed=True, with_entropy=True)  # (N, T)
+    padded, padded_entropy = forward_log_probs(model, samples, 0.7, packed=False, with_entropy=True)
+    assert packed.shape == padded.shape == (4, 6)
+    close(packed, padded, atol=1e-5)
+    close(packed_entropy, padded_entropy, atol=1e-5)
+    mask = train_grpo.response_targets(samples, 6, "cpu")[1]
+    for out in (packed, padded, packed_entropy, padded_entropy):
+        assert torch.equal(out * (1 - mask), torch.zeros_like(out))  # zero beyond each response
+    # a loop over sequences, each alone and unpadded: log_softmax(logits / 0.7) at the response tokens
+    for i, (p, r) in enumerate(samples):
+        logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:-1] / 0.7  # (|r|, V)
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+        close(packed[i, :len(r)], expected, atol=1e-5)
+        close(packed_entropy[i, :len(r)], entropy_from_logits(logits), atol=1e-5)
+
+
+def accumulated_grads(model, samples, micro, packed, mode, old_log_probs, ref_log_probs, advantages, mask):
+    """The loss of update_actor's inner loop (pg + kl - entropy bonus) with global denominators,
+    accumulated over micro-batches of `micro` sequences; returns the gradient of every parameter."""
+    model.zero_grad(set_to_none=True)
+    agg_kw = dict(mode=mode, num_tokens=mask.sum().item(), num_seqs=len(samples), max_response_length=8)
+    for i in range(0, len(samples), micro):
+        mb = slice(i, i + micro)
+        log_probs, entropy = forward_log_probs(model, samples[mb], 1.0, packed, with_entropy=True)
+        Tm = log_probs.shape[1]
+        m = mask[mb, :Tm]
+        pg_losses, _ = compute_policy_loss(old_log_probs[mb, :Tm], log_probs, advantages[mb, :Tm], m, 0.2, 0.28, 3.0)
+        kl = kl_penalty(log_probs, ref_log_probs[mb, :Tm], "low_var_kl")
+        loss = (agg_loss(pg_losses, m, **agg_kw) + 0.1 * agg_loss(kl, m, **agg_kw)
+                - 0.01 * agg_loss(entropy, m, **agg_kw))
+        loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("mode", MODES)
+def test_micro_batching_leaves_the_gradient_unchanged(model, mode, packed):
+    samples = make_samples(LENGTHS, seed=1)
+    with torch.no_grad():
+        log_probs, _ = forward_log_probs(model, samples, 1.0, packed, with_entropy=False)  # (N, T)
+    mask = train_grpo.response_targets(samples, 6, "cpu")[1]
+    g = torch.Generator().manual_seed(2)
+    # old log-probs off by up to +-0.5, so some ratios clip; a group of 4 with scores [1, 0, 0.5, 0]
+    old_log_probs = (log_probs + (torch.rand(4, 6, generator=g) - 0.5)) * mask
+    ref_log_probs = (log_probs + 0.3 * torch.randn(4, 6, generator=g)) * mask
+    advantages = compute_grpo_outcome_advantage(torch.tensor([1.0, 0.0, 0.5, 0.0]), mask, n=4)
+    args = (packed, mode, old_log_probs, ref_log_probs, advantages, mask)
+    whole = accumulated_grads(model, samples, 4, *args)
+    assert sum(g.abs().sum() for g in whole.values()) > 0
+    for micro in (1, 2):
+        split = accumulated_grads(model, samples, micro, *args)
+        for name in whole:
+            torch.testing.assert_close(split[name], whole[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+class GradRecorder:
+    """An optimizer stand-in: records the gradient of each step instead of taking it."""
+
+    def __init__(self, model):
+        self.model, self.steps = model, []
+
+    def step(self):
+        self.steps.append({n: p.grad.clone() for n, p in self.model.named_parameters()})
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+def test_update_actor_gradient_does_not_depend_on_micro_batch_size(model, monkeypatch):
+    # update_actor itself, at a world size of one: 2 prompts x n = 2 in mini-batches of 1 prompt (2 sequences)
+    monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
+    samples = make_samples(LENGTHS, seed=3)
+    with torch.no_grad():
+        log_probs, _ = forward_log_probs(model, samples, 1.0, True, with_entropy=False)
+    mask = train_grpo.response_targets(samples, 6, "cpu")[1]
+    g = torch.Generator().manual_seed(4)
+    old_log_probs = (log_probs + 0.4 * (torch.rand(4, 6, generator=g) - 0.5)) * mask
+    ref_log_probs = (log_probs + 0.3 * torch.randn(4, 6, generator=g)) * mask
+    advantages = compute_grpo_outcome_advantage(torch.tensor([1.0, 0.0, 0.2, 0.7]), mask, n=2)
+    results = {}
+    for micro in (1, 2):
+        args = Args(rollout_n=2, train_batch_size=2, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=micro,
+                    kl_loss_coef=0.1, entropy_coeff=0.01, grad_clip=1e9, loss_agg_mode="seq-mean-token-mean")
+        recorder = GradRecorder(model)
+        model.zero_grad(set_to_none=True)  # the trainer enters each update with no gradients
+        metrics = train_grpo.update_actor(model, recorder, samples, old_log_probs, ref_log_probs, advantages, mask,
+                                          args, step=1, device=torch.device("cpu"))
+        results[micro] = recorder.steps, metrics
+    (steps1, metrics1), (steps2, metrics2) = results[1], results[2]
+    assert len(steps1) == len(steps2) == 2  # one optimizer step per mini-batch
+    for a, b in zip(steps1, steps2):
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-5, msg=name)
+    assert metrics1.keys() == metrics2.keys()
+    for k in metrics1:
+        # abs: ppo_kl sums log-ratios of both signs, so its float noise is large relative to the sum
+        assert metrics1[k] == pytest.approx(metrics2[k], rel=1e-5, abs=1e-6), k
+    assert metrics1["actor/grad_norm"] > 0 and metrics1["actor/kl_loss"] > 0

@@ -1,0 +1,208 @@
+"""train_grpo.py end to end on CPU: two real steps under `torchrun --nproc_per_node=2` (gloo) with each
+rollout engine, resume equivalence, a finished run, and start-up failures.
+
+Data: a 24-prompt GSM8K-shaped fixture made by data/gsm8k.py; model: the tiny random Qwen2 of
+tests/tiny_model.py; reward: the share of ASCII letters and digits in the response, which a random
+model scores unevenly, so groups differ and advantages are non-zero.
+"""
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.tiny_model import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+LR = 1e-4
+# every metric the trainer logs on each step; STEP2_ONLY appear with validation (--test_freq 2)
+METRICS = [
+    "critic/score/mean", "critic/score/max", "critic/score/min", "critic/advantages/mean",
+    "response_length/mean", "response_length/max", "response_length/clip_ratio", "prompt_length/mean",
+    "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/kl_loss",
+    "actor/entropy", "actor/grad_norm", "actor/lr",
+    "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv", "timing_s/update_actor",
+    "timing_s/update_weights", "timing_s/step",
+    "perf/throughput", "perf/mfu/actor", "perf/max_memory_allocated_gb", "rollout/logprob_gap_mean",
+]
+STEP2_ONLY = ["timing_s/testing", "val-core/openai/gsm8k/reward/mean@1", "val-core/openai/gsm8k/reward_flexible/mean@1"]
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """Share of ASCII letters and digits in the response."""
+    return sum(c.isascii() and c.isalnum() for c in solution_str) / max(1, len(solution_str))
+'''
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def raw_rows(k, seed):
+    """k made-up sums, short enough that a chat-templated prompt stays ~90 bytes = ~90 tokens."""
+    rows = []
+    for i in range(k):
+        a, b = (seed * 7 + i * 3) % 10, (seed + i * 5) % 9 + 1
+        rows.append({"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """Parquet files (24 train / 8 test prompts), the tiny model and the reward file."""
+    tmp = tmp_path_factory.mktemp("grpo_e2e")
+    raw = tmp / "raw"
+    raw.mkdir()
+    for split, k, seed in (("train", 24, 0), ("test", 8, 1)):
+        (raw / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in raw_rows(k, seed)))
+    subprocess.run([sys.executable, "data/gsm8k.py", "--local_dataset_path", str(raw), "--local_save_dir",
+                    str(tmp / "data")], cwd=ROOT, check=True, capture_output=True)
+    (tmp / "reward_fn.py").write_text(REWARD)
+    return dict(tmp=tmp, model=make_tiny_model(str(tmp / "model")), data=tmp / "data", reward=tmp / "reward_fn.py")
+
+
+def flags(assets, out_dir, engine, steps, resume="disable", *extra):
+    return ["--model", assets["model"], "--train_files", str(assets["data"] / "train.parquet"),
+            "--val_files", str(assets["data"] / "test.parquet"), "--custom_reward_function_path", str(assets["reward"]),
+            "--rollout_engine", engine, "--max_prompt_length", "256", "--max_response_length", "16",
+            "--train_batch_size", "4", "--rollout_n", "2", "--ppo_mini_batch_size", "2",
+            "--ppo_micro_batch_size_per_gpu", "1", "--log_prob_micro_batch_size_per_gpu", "2",
+            "--total_training_steps", str(steps), "--test_freq", "2", "--max_val_samples", "8",
+            "--actor_lr", str(LR), "--lr_warmup_steps", "2", "--save_freq", "1", "--logger", "console,jsonl",
+            "--default_local_dir", str(out_dir), "--resume_mode", resume, *extra]
+
+
+def launch(args, nproc=2, timeout=300):
+    """train_grpo.py under torchrun (nproc > 0) or as a plain single process (nproc = 0)."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "MASTER_PORT": str(free_port())}
+    cmd = [sys.executable, "train_grpo.py", *args]
+    if nproc:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--master_port", env["MASTER_PORT"], "train_grpo.py", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc.output = proc.stdout + proc.stderr
+    return proc
+
+
+def metrics_by_step(out_dir):
+    with open(Path(out_dir) / "metrics.jsonl") as f:
+        return {row["step"]: row for row in map(json.loads, f)}
+
+
+def two_step_run(assets, engine):
+    out = assets["tmp"] / f"run_{engine}"
+    proc = launch(flags(assets, out, engine, 2))
+    assert proc.returncode == 0, proc.output[-6000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_run(assets):
+    return two_step_run(assets, "hf")
+
+
+@pytest.fixture(scope="module")
+def vllm_run(assets):
+    return two_step_run(assets, "vllm")
+
+
+@pytest.mark.parametrize("run", ["hf_run", "vllm_run"])
+def test_two_steps_log_every_metric_and_change_the_policy(run, assets, request):
+    out = request.getfixturevalue(run)
+    m = metrics_by_step(out)
+    assert sorted(m) == [0, 1, 2]  # 0: validation before training
+    for step, names in ((1, METRICS), (2, METRICS + STEP2_ONLY)):
+        missing = [k for k in names if k not in m[step]]
+        assert not missing, f"step {step} lacks {missing}"
+        bad = {k: m[step][k] for k in names if not math.isfinite(m[step][k])}
+        assert not bad, f"step {step}: non-finite {bad}"
+        # fp32 trainer and fp32 engine: the engine generated with exactly the trainer's weights
+        assert m[step]["rollout/logprob_gap_mean"] < 1e-3
+        assert m[step]["actor/grad_norm"] > 0
+        assert 0 < m[step]["response_length/mean"] <= m[step]["response_length/max"] <= 16
+        assert m[step]["critic/score/min"] <= m[step]["critic/score/mean"] <= m[step]["critic/score/max"]
+    assert any(m[s]["critic/score/max"] > m[s]["critic/score/min"] for s in (1, 2))  # some group had signal
+    # --lr_warmup_steps 2: step 1 trains at (0 + 1) / 2 * LR, step 2 at LR
+    assert m[1]["actor/lr"] == pytest.approx(LR / 2) and m[2]["actor/lr"] == pytest.approx(LR)
+    assert "val-core/openai/gsm8k/reward/mean@1" in m[0]
+
+    initial = load_file(os.path.join(assets["model"], "model.safetensors"))
+    final = load_file(out / "hf_model" / "model.safetensors")
+    assert initial.keys() == final.keys()
+    for name, w in initial.items():
+        if w.dim() == 2:  # the export is bf16: compare at that precision; ~half the entries move past rounding
+            changed = (w.to(final[name].dtype) != final[name]).float().mean().item()
+            assert changed > 0.1, f"{name}: only {changed:.1%} of entries changed"
+
+
+def test_resume_replays_the_uninterrupted_run(assets, vllm_run):
+    out = assets["tmp"] / "run_vllm_resumed"
+    first = launch(flags(assets, out, "vllm", 1))
+    assert first.returncode == 0, first.output[-6000:]
+    second = launch(flags(assets, out, "vllm", 2, "auto"))
+    assert second.returncode == 0, second.output[-6000:]
+    assert "resumed from" in second.output and "global_step_1" in second.output
+    resumed, whole = metrics_by_step(out), metrics_by_step(vllm_run)
+    assert sorted(resumed) == [0, 1, 2]
+    for step in (1, 2):
+        keys = {k for k in whole[step] if not k.startswith(("timing_s/", "perf/"))}
+        # the first launch's last step (1) also validated, so its row has the val-* metrics on top
+        assert keys <= resumed[step].keys() if step == 1 else keys == {
+            k for k in resumed[step] if not k.startswith(("timing_s/", "perf/"))}
+        differ = {k: (whole[step][k], resumed[step][k]) for k in keys
+                  if resumed[step][k] != pytest.approx(whole[step][k], rel=1e-6, abs=1e-12)}
+        assert not differ, f"step {step} differs after resuming: {differ}"
+    a = load_file(vllm_run / "hf_model" / "model.safetensors")
+    b = load_file(out / "hf_model" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+
+
+def test_resuming_a_finished_run_does_nothing(assets, hf_run):
+    before = (hf_run / "metrics.jsonl").read_text()
+    checkpoints = sorted(os.listdir(hf_run))
+    proc = launch(flags(assets, hf_run, "hf", 2, "auto"))
+    assert proc.returncode == 0, proc.output[-6000:]
+    assert "already finished 2 of 2 steps" in proc.output
+    assert "step:1" not in proc.output and "done:" not in proc.output  # no training, no export
+    assert (hf_run / "metrics.jsonl").read_text() == before
+    assert sorted(os.listdir(hf_run)) == checkpoints
+
+
+def write_parquet_without(src, dst, column):
+    table = pq.read_table(src)
+    pq.write_table(table.drop([column]), dst)
+
+
+@pytest.mark.parametrize("case", ["rollout_n_1", "missing_column", "missing_reward_file"])
+def test_bad_input_fails_at_start_up(case, assets):
+    out = assets["tmp"] / f"bad_{case}"
+    expected = []
+    args = flags(assets, out, "hf", 2)
+    if case == "rollout_n_1":
+        args[args.index("--rollout_n") + 1] = "1"
+        expected = ["--rollout_n must be > 1"]
+    elif case == "missing_column":
+        bad = assets["tmp"] / "no_reward_model.parquet"
+        write_parquet_without(assets["data"] / "train.parquet", bad, "reward_model")
+        args[args.index("--train_files") + 1] = str(bad)
+        expected = [str(bad), "no column 'reward_model'"]
+    else:
+        missing = assets["tmp"] / "no_such_reward.py"
+        args[args.index("--custom_reward_function_path") + 1] = str(missing)
+        expected = [str(missing), "--custom_reward_function_path"]
+    proc = launch(args, nproc=0, timeout=120)
+    assert proc.returncode != 0
+    for text in expected:
+        assert text in proc.output, proc.output[-3000:]
+    assert "Loading weights" not in proc.output  # failed before any model loaded
+    assert not (out / "metrics.jsonl").exists()
