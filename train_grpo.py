@@ -326,11 +326,17 @@ class Timer:
     @contextlib.contextmanager
     def __call__(self, name):
         sync(self.device)
+        cuda = self.device.type == "cuda"
+        if cuda:  # peak memory per phase (it counts the engine's pool too, when awake)
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         yield
         sync(self.device)
         key = f"timing_s/{name}"
         self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - t0
+        if cuda:
+            key = f"perf/max_memory_allocated_gb/{name}"
+            self.metrics[key] = max(self.metrics.get(key, 0.0), torch.cuda.max_memory_allocated() / 2**30)
 
 
 class Logger:
@@ -682,7 +688,8 @@ def main(args):
             "perf/gen_tokens_per_s": lengths.sum().item() / t["timing_s/gen"],
             "perf/mfu/actor": 3 * args.ppo_epochs * fpt * (prompt_tokens + lengths.sum().item())
             / t["timing_s/update_actor"] / peak_flops,
-            "perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
+            "perf/max_memory_allocated_gb": max([v for k, v in t.items() if k.startswith("perf/max_memory")],
+                                                default=0.0),
             "training/global_step": step, "training/epoch": epoch,
         } | update_stats | t
         for key in {k for g in groups for k in g["extras"]}:

@@ -139,6 +139,7 @@ def main(args):
             "full_sync_ms": 1e3 * statistics.median(syncs), "push_ms": 1e3 * statistics.median(pushes),
             "push_gb_s": push_bytes / statistics.median(pushes) / 1e9, "params": n_params}
 
+    report(res, args)  # first without the plain-vLLM column, so a stuck comparison loses nothing
     # plain vLLM in its own process, after ours is asleep (its memory released)
     engine.sleep()
     env = dict(os.environ, RANK="", WORLD_SIZE="", LOCAL_RANK="")
@@ -148,7 +149,7 @@ def main(args):
     proc = subprocess.run([sys.executable, __file__, "--plain", "--model", args.model, "--prompts", str(args.prompts),
                            "--n", str(args.n), "--max_tokens", str(args.max_tokens),
                            "--gpu_memory_utilization", str(args.gpu_memory_utilization)],
-                          env=env, capture_output=True, text=True)
+                          env=env, capture_output=True, text=True, timeout=args.plain_timeout)
     line = [x for x in proc.stdout.splitlines() if x.startswith('{"plain_tokens"')]
     if line:
         plain = json.loads(line[-1])
@@ -156,7 +157,12 @@ def main(args):
         res["ours_vs_plain"] = res["ours_tok_s"] / res["plain_tok_s"]
     else:
         res["plain_error"] = (proc.stdout + proc.stderr)[-2000:]
+    report(res, args)
+    sys.stdout.flush()
+    os._exit(0)  # vLLM's own teardown of the process group at exit is noisy and adds nothing here
 
+
+def report(res, args):
     rows = [("generation, ours (tok/s)", res["ours_tok_s"], ">= 0.9 x plain"),
             ("generation, plain vLLM (tok/s)", res.get("plain_tok_s", float("nan")), ""),
             ("ours / plain", res.get("ours_vs_plain", float("nan")), ">= 0.90"),
@@ -176,7 +182,6 @@ def main(args):
         with open(os.path.join(args.out, "bench_engine.json"), "w") as f:
             json.dump(res, f, indent=1)
     sys.stdout.flush()
-    os._exit(0)  # vLLM's own teardown of the process group at exit is noisy and adds nothing here
 
 
 if __name__ == "__main__":
@@ -189,6 +194,7 @@ if __name__ == "__main__":
     p.add_argument("--gpu_memory_utilization", type=float, default=0.5)
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--plain", action="store_true")
+    p.add_argument("--plain_timeout", type=float, default=300, help="seconds for the plain-vLLM process")
     a = p.parse_args()
     a.model = a.model or random_qwen25_05b("/tmp/models/random-qwen2.5-0.5b")
     plain_vllm(a) if a.plain else main(a)

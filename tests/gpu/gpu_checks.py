@@ -90,13 +90,19 @@ def main(model_path, out_path):
                   "print('TOKENS', json.dumps([list(x.outputs[0].token_ids) for x in o]))")
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                                 "MASTER_PORT", "LOCAL_WORLD_SIZE")}
-        proc = subprocess.run([sys.executable, "-c", script, export, json.dumps(prompts)], capture_output=True,
-                              text=True, env=env)
-        line = [x for x in proc.stdout.splitlines() if x.startswith("TOKENS ")]
+        with open(out_path, "w") as f:  # what is known so far, in case the subprocess below hangs
+            json.dump(res, f, indent=1)
+        try:
+            proc = subprocess.run([sys.executable, "-c", script, export, json.dumps(prompts)], capture_output=True,
+                                  text=True, env=env, timeout=300)
+            stdout, stderr = proc.stdout, proc.stderr
+        except subprocess.TimeoutExpired as e:
+            stdout, stderr = "", f"plain vLLM on the export did not finish in 300 s: {e}"
+        line = [x for x in stdout.splitlines() if x.startswith("TOKENS ")]
         res["export_loads_in_vllm"] = bool(line)
         res["export_same_greedy"] = bool(line) and json.loads(line[0][7:]) == before
         if not line:
-            res["export_error"] = proc.stderr[-3000:]
+            res["export_error"] = stderr[-3000:]
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1), flush=True)

@@ -29,7 +29,7 @@ def test_engine_on_gpu(tmp_path):
     out = tmp_path / "res.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
                            os.path.join(ROOT, "tests/gpu/gpu_checks.py"), model_path(), str(out)],
-                          capture_output=True, text=True, cwd=ROOT)
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads(out.read_text())
     print(json.dumps(res, indent=1))
