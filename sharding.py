@@ -130,6 +130,18 @@ def iter_full_tensors(
         yield hf_name(name), tensor
 
 
+@torch.no_grad()
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Move the optimizer's state (AdamW's two moments: 2x the parameters in fp32) to `device`:
+    to the CPU between updates (verl's `optimizer_offload`), back to the GPU for the step."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 

@@ -413,6 +413,7 @@ def check_args(args, world_size):
          f"--resume_mode must be auto, disable or an existing global_step_N folder, got {args.resume_mode!r}")
     agg_loss(torch.zeros(1, 1), torch.ones(1, 1), args.loss_agg_mode, 1, 1, 1)  # raises on a bad mode
     kl_penalty(torch.zeros(1), torch.zeros(1), args.kl_loss_type)
+    args.optimizer_offload &= not args.param_offload  # param_offload already steps the optimizer on the CPU
     args.kl_loss_coef = 0.001 if args.kl_loss_coef is None else args.kl_loss_coef
     args.kl_coef = 0.001 if args.kl_coef is None else args.kl_coef
     args.default_local_dir = args.default_local_dir or os.path.join("checkpoints", args.project_name,
@@ -651,10 +652,14 @@ def main(args):
             # 5 update: mini-batches x epochs, micro-batch gradient accumulation, global normalisation
             with timer("update_actor"):
                 lr = scheduler.get_last_lr()[0]  # the rate of this update (after step() it is the next one's)
+                if args.optimizer_offload:
+                    sharding.move_optimizer_state(optimizer, device)
                 update_stats = update_actor(actor, optimizer, samples, old_log_probs,
                                             ref_log_probs if args.use_kl_loss else None, advantages,
                                             response_mask, args, step, device)
                 scheduler.step()
+                if args.optimizer_offload:
+                    sharding.move_optimizer_state(optimizer, "cpu")
 
             # 6 push the new weights into the engine: FSDP2 shards -> full tensors -> vLLM's loaders
             with timer("update_weights"):
