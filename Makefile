@@ -29,8 +29,10 @@ test: install
 test-gpu:
 	$(PY) -m pytest tests/gpu -q -s
 
+BENCH_OUT ?= bench_out
 bench-engine:
-	$(PY) -m torch.distributed.run --nproc_per_node=1 bench/bench_engine.py $(ARGS)
+	$(PY) bench/bench_engine.py --plain --out $(BENCH_OUT) $(ARGS)
+	$(PY) -m torch.distributed.run --nproc_per_node=1 bench/bench_engine.py --out $(BENCH_OUT) $(ARGS)
 
 bench-reward: install
 	$(PY) tests/bench_reward.py

@@ -497,7 +497,6 @@ def rollout(engine, examples, args, tokenizer, reward_fn, seed, n, temperature):
 def validate(engine, val, args, tokenizer, reward_fn, n=1, temperature=0.0):
     """Greedy mean@1 (strict: the training reward; flexible: the last number) per data source, and
     with n > 1 sampled mean@n and pass@n. Uneven shares are fine: groups generate independently."""
-    world, rank = dist.get_world_size(), dist.get_rank()
     examples = val.examples[:args.max_val_samples] if args.max_val_samples else val.examples
     share = examples[engine.dp_rank::engine.dp_size]
     outs = engine.generate([e.prompt_ids for e in share], n=n, temperature=temperature, top_p=1.0, top_k=-1,

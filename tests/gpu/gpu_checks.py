@@ -5,7 +5,6 @@
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -82,27 +81,11 @@ def main(model_path, out_path):
         sharding.load_checkpoint(sharding.latest_checkpoint(tmp), {"actor": actor}, {"actor": opt})
         res["checkpoint_roundtrip_max_diff"] = (actor(ids).logits.float() - ref_logits).abs().max().item()
         from transformers import AutoTokenizer
-        export = sharding.export_hf(os.path.join(tmp, "hf"), actor, AutoTokenizer.from_pretrained(model_path))
-        script = ("import json,sys; from vllm import LLM, SamplingParams; llm=LLM(model=sys.argv[1], "
-                  "gpu_memory_utilization=0.2, max_model_len=1024, enforce_eager=True); "
-                  "o=llm.generate([{'prompt_token_ids': p} for p in json.loads(sys.argv[2])], "
-                  "SamplingParams(temperature=0, max_tokens=24)); "
-                  "print('TOKENS', json.dumps([list(x.outputs[0].token_ids) for x in o]))")
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                                "MASTER_PORT", "LOCAL_WORLD_SIZE")}
-        with open(out_path, "w") as f:  # what is known so far, in case the subprocess below hangs
-            json.dump(res, f, indent=1)
-        try:
-            proc = subprocess.run([sys.executable, "-c", script, export, json.dumps(prompts)], capture_output=True,
-                                  text=True, env=env, timeout=300)
-            stdout, stderr = proc.stdout, proc.stderr
-        except subprocess.TimeoutExpired as e:
-            stdout, stderr = "", f"plain vLLM on the export did not finish in 300 s: {e}"
-        line = [x for x in stdout.splitlines() if x.startswith("TOKENS ")]
-        res["export_loads_in_vllm"] = bool(line)
-        res["export_same_greedy"] = bool(line) and json.loads(line[0][7:]) == before
-        if not line:
-            res["export_error"] = stderr[-3000:]
+        # plain vLLM loads the export after this process ends (test_gpu.py): a plain vLLM process
+        # started beside this one's live engine did not return within 5 minutes, twice
+        export_dir = os.path.join(os.path.dirname(out_path), "export")
+        sharding.export_hf(export_dir, actor, AutoTokenizer.from_pretrained(model_path))
+        res |= {"export_dir": export_dir, "greedy_tokens": before, "prompts": prompts}
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1), flush=True)
