@@ -15,6 +15,7 @@ Shapes: B prompts, n samples per prompt, N = B*n sequences, T response tokens, V
 """
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -204,32 +205,32 @@ def entropy_from_logits(logits):
 
 
 def collate(samples, packed, device):
-    """Model inputs for a micro-batch of (prompt_ids, response_ids) pairs.
+    """Model inputs for a micro-batch of (prompt_ids, response_ids) pairs, and where to read back.
 
     Padded: prompts left-padded, responses right-padded, logits kept for the last T+1 positions.
     Packed (`--use_remove_padding`): all sequences in one row, positions restarting per sequence
     (transformers then masks attention across sequences), logits kept only where a response token
-    is predicted. Either way the result is read back as (b, T) with T = longest response.
+    is predicted. `unpack` = (rows, cols, b, T): response token k sits at [rows[k], cols[k]] of a
+    (b, T) result, T = longest response, in the order of the kept logits.
     """
     T = max(max(len(r) for _, r in samples), 1)
+    rows = torch.tensor([i for i, (_, r) in enumerate(samples) for _ in r], device=device)
+    cols = torch.tensor([t for _, r in samples for t in range(len(r))], device=device)
+    unpack = (rows, cols, len(samples), T)
     if packed:
-        ids, pos, keep, rows, cols = [], [], [], [], []
-        for i, (p, r) in enumerate(samples):
-            start = len(ids)
+        ids, pos, keep = [], [], []
+        for p, r in samples:
+            keep += range(len(ids) + len(p) - 1, len(ids) + len(p) + len(r) - 1)
             ids += p + r
-            pos += list(range(len(p) + len(r)))
-            keep += range(start + len(p) - 1, start + len(p) + len(r) - 1)
-            rows += [i] * len(r)
-            cols += range(len(r))
+            pos += range(len(p) + len(r))
         return dict(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([pos], device=device),
-                    logits_to_keep=torch.tensor(keep, device=device),
-                    unpack=(torch.tensor(rows, device=device), torch.tensor(cols, device=device), len(samples), T))
+                    logits_to_keep=torch.tensor(keep, device=device), unpack=unpack)
     P = max(len(p) for p, _ in samples)
     ids = [[0] * (P - len(p)) + p + r + [0] * (T - len(r)) for p, r in samples]
     attn = [[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (T - len(r)) for p, r in samples]
     attn = torch.tensor(attn, device=device)
     return dict(input_ids=torch.tensor(ids, device=device), attention_mask=attn,
-                position_ids=(attn.cumsum(-1) - 1).clamp(min=0), logits_to_keep=T + 1, unpack=None)
+                position_ids=(attn.cumsum(-1) - 1).clamp(min=0), logits_to_keep=T + 1, unpack=unpack)
 
 
 def response_targets(samples, T, device):
@@ -239,24 +240,26 @@ def response_targets(samples, T, device):
     return ids, mask.float()
 
 
-def forward_log_probs(model, samples, temperature, packed, with_entropy):
-    """log pi(y_t | x, y_<t) of each response token, (b, T), and the entropy (b, T) if asked."""
+def forward_log_probs(model, samples, temperature, packed, with_entropy, entropy_grad=True):
+    """log pi(y_t | x, y_<t) of each response token, (b, T), and the entropy (b, T) if asked
+    (without a gradient unless `entropy_grad`: as a metric only, it needs no backward through the
+    softmax over the vocabulary)."""
     device = next(model.parameters()).device
     batch = collate(samples, packed, device)
-    unpack = batch.pop("unpack")
+    rows, cols, b, T = batch.pop("unpack")
     logits = model(**batch, use_cache=False).logits.float() / temperature  # verl scales by T too
-    targets, mask = response_targets(samples, batch["logits_to_keep"] - 1 if not packed else unpack[3], device)
-    if packed:
-        rows, cols, b, T = unpack
-        flat_lp = torch.log_softmax(logits[0], -1).gather(-1, targets[rows, cols][:, None]).squeeze(-1)
-        log_probs = torch.zeros(b, T, device=device, dtype=flat_lp.dtype).index_put((rows, cols), flat_lp)
-        entropy = None
-        if with_entropy:
-            entropy = torch.zeros(b, T, device=device).index_put((rows, cols), entropy_from_logits(logits[0]))
-    else:
-        logits = logits[:, :-1]  # position t predicts token t+1: drop the last
-        log_probs = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1) * mask
-        entropy = entropy_from_logits(logits) * mask if with_entropy else None
+    # one row per response token, (K, V): packed logits already are; padded ones drop the last
+    # position (position t predicts token t+1) and the padding
+    logits = logits[0] if packed else logits[:, :-1][rows, cols]
+    targets = torch.tensor([t for _, r in samples for t in r], device=device)
+    # gather - logsumexp: the log-softmax of only the taken tokens, no (K, V) log-prob copy
+    flat = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+    log_probs = torch.zeros(b, T, device=device, dtype=flat.dtype).index_put((rows, cols), flat)
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            flat_entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+        entropy = torch.zeros(b, T, device=device, dtype=flat_entropy.dtype).index_put((rows, cols), flat_entropy)
     return log_probs, entropy
 
 
@@ -411,6 +414,12 @@ def check_args(args, world_size):
     need(args.rollout_engine in ("vllm", "hf"), "--rollout_engine must be vllm or hf")
     need(args.resume_mode in ("auto", "disable") or os.path.isdir(args.resume_mode),
          f"--resume_mode must be auto, disable or an existing global_step_N folder, got {args.resume_mode!r}")
+    for kind in (k.strip() for k in args.logger.strip("[]").split(",") if k.strip()):
+        need(kind in ("console", "jsonl", "wandb", "tensorboard"),
+             f"--logger {kind!r}: choose from console, jsonl, wandb, tensorboard")
+        module = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(kind)
+        need(module is None or importlib.util.find_spec(module) is not None,
+             f"--logger {kind} needs the {module} package: pip install {module}")
     agg_loss(torch.zeros(1, 1), torch.ones(1, 1), args.loss_agg_mode, 1, 1, 1)  # raises on a bad mode
     kl_penalty(torch.zeros(1), torch.zeros(1), args.kl_loss_type)
     args.optimizer_offload &= not args.param_offload  # param_offload already steps the optimizer on the CPU
@@ -731,8 +740,8 @@ def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advant
             tokens = all_sum(response_mask[start:start + mini].sum().item(), device=device)[0]
             for i in range(start, start + mini, micro):
                 mb = slice(i, i + micro)
-                log_probs, entropy = forward_log_probs(actor, samples[mb], args.temperature,
-                                                       args.use_remove_padding, with_entropy=True)
+                log_probs, entropy = forward_log_probs(actor, samples[mb], args.temperature, args.use_remove_padding,
+                                                       with_entropy=True, entropy_grad=args.entropy_coeff != 0)
                 Tm = log_probs.shape[1]
                 mask, adv, old = response_mask[mb, :Tm], advantages[mb, :Tm], old_log_probs[mb, :Tm]
                 agg = dict(response_mask=mask, mode=args.loss_agg_mode, num_tokens=tokens, num_seqs=seqs,
@@ -741,7 +750,7 @@ def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advant
                                                        args.clip_ratio_high, args.clip_ratio_c)
                 pg_loss = agg_loss(pg_losses, **agg)
                 entropy_loss = agg_loss(entropy, **agg)
-                loss = pg_loss - args.entropy_coeff * entropy_loss
+                loss = pg_loss - args.entropy_coeff * entropy_loss if args.entropy_coeff else pg_loss
                 if ref_log_probs is not None:
                     kl_loss = agg_loss(kl_penalty(log_probs, ref_log_probs[mb, :Tm], args.kl_loss_type), **agg)
                     loss = loss + args.kl_loss_coef * kl_loss
