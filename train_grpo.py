@@ -183,7 +183,7 @@ def kl_penalty(log_probs, ref_log_probs, kl_type):
     to [-10, 10] as in verl, against rare huge ratios.
     """
     log_ratio = log_probs - ref_log_probs
-    if kl_type == "k1":
+    if kl_type in ("k1", "kl"):  # "kl" is verl's name for k1 in its kl_penalty
         return log_ratio
     if kl_type == "abs":
         return log_ratio.abs()
@@ -391,7 +391,7 @@ def check_args(args, world_size):
     """Fail at start-up, naming the flags, before anything heavy loads."""
     def need(ok, msg):
         if not ok:
-            raise SystemExit(f"train_grpo.py: {msg}")
+            raise SystemExit(f"{os.path.basename(__file__)}: {msg}")
     need(args.rollout_n > 1, "--rollout_n must be > 1: GRPO compares responses within a group")
     need(args.train_batch_size % world_size == 0,
          f"--train_batch_size {args.train_batch_size} must be divisible by the number of GPUs {world_size}")
@@ -430,7 +430,7 @@ def check_args(args, world_size):
 
 
 def init_distributed():
-    """torchrun sets RANK/WORLD_SIZE; a plain `python train_grpo.py` runs as a world of one."""
+    """torchrun sets RANK/WORLD_SIZE; a plain `python train_*.py` runs as a world of one."""
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(k, v)
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -544,7 +544,7 @@ def main(args):
     val = load_rl_dataset(args.val_files.split(","), **data_kw) if args.test_freq > 0 or args.val_only else None
     train = None if args.val_only else load_rl_dataset(args.train_files.split(","), **data_kw)
     if train is not None and len(train) < args.train_batch_size:
-        raise SystemExit(f"train_grpo.py: {args.train_files} holds {len(train)} usable prompts, fewer than "
+        raise SystemExit(f"{os.path.basename(__file__)}: {args.train_files} holds {len(train)} usable prompts, fewer than "
                          f"--train_batch_size {args.train_batch_size}")
     steps_per_epoch = len(train) // args.train_batch_size if train else 0
     total_steps = args.total_training_steps or steps_per_epoch * args.total_epochs
@@ -566,7 +566,7 @@ def main(args):
             print(f"resumed from {resume} (step {step})", flush=True)
     if step >= total_steps and not args.val_only:
         if rank == 0:
-            print(f"train_grpo.py: {resume} already finished {step} of {total_steps} steps; nothing to do. Raise "
+            print(f"{os.path.basename(__file__)}: {resume} already finished {step} of {total_steps} steps; nothing to do. Raise "
                   "--total_training_steps / --total_epochs to train on, or use --resume_mode disable to start over.")
         return
     engine = make_engine(args.rollout_engine, args.model, tensor_parallel_size=args.tensor_model_parallel_size,

@@ -1,0 +1,169 @@
+"""train_ppo.py end to end on CPU: two real steps under `torchrun --nproc_per_node=2` (gloo) with each
+rollout engine, critic warm-up, and resume equivalence (actor, critic and the adaptive KL coefficient).
+
+Data, model and reward as in tests/test_train_grpo.py: a GSM8K-shaped fixture made by data/gsm8k.py,
+the tiny random Qwen2 of tests/tiny_model.py (the critic loads the same body with a new value head),
+and the share of ASCII letters and digits in the response, which varies from response to response.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests import test_train_grpo
+from tests.test_train_grpo import ROOT, free_port, metrics_by_step
+
+assets = test_train_grpo.assets  # the same fixture: parquet files, tiny model, reward file
+LR, CRITIC_LR = 1e-4, 1e-3
+N = 4  # sequences per step: --train_batch_size 4 x --rollout_n 1
+# every metric the trainer logs on each step; STEP2_ONLY appear with validation (--test_freq 2)
+METRICS = [
+    "critic/score/mean", "critic/score/max", "critic/score/min", "critic/rewards/mean", "critic/advantages/mean",
+    "critic/values/mean", "critic/returns/mean", "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean",
+    "critic/vf_explained_var", "critic/grad_norm", "critic/lr",
+    "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff",
+    "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
+    "actor/grad_norm", "actor/lr",
+    "response_length/mean", "response_length/max", "prompt_length/mean",
+    "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv",
+    "timing_s/update_critic", "timing_s/update_actor", "timing_s/update_weights", "timing_s/step",
+    "perf/throughput", "perf/mfu/actor", "rollout/logprob_gap_mean",
+]
+ACTOR_ONLY = [k for k in METRICS if k.startswith("actor/") and "reward_kl" not in k] + ["timing_s/update_actor",
+                                                                                      "perf/mfu/actor"]
+STEP2_ONLY = ["timing_s/testing", "val-core/openai/gsm8k/reward/mean@1"]
+
+
+def flags(assets, out_dir, engine, steps, resume="disable", *extra):
+    return ["--model", assets["model"], "--train_files", str(assets["data"] / "train.parquet"),
+            "--val_files", str(assets["data"] / "test.parquet"), "--custom_reward_function_path", str(assets["reward"]),
+            "--rollout_engine", engine, "--max_prompt_length", "256", "--max_response_length", "16",
+            "--train_batch_size", "4", "--ppo_mini_batch_size", "2", "--ppo_micro_batch_size_per_gpu", "1",
+            "--critic_ppo_micro_batch_size_per_gpu", "1", "--log_prob_micro_batch_size_per_gpu", "2",
+            "--total_training_steps", str(steps), "--test_freq", "2", "--max_val_samples", "8",
+            "--actor_lr", str(LR), "--critic_lr", str(CRITIC_LR), "--lr_warmup_steps", "2",
+            # adaptive with a short horizon, so the coefficient moves visibly: 1 + e * 4 / 10
+            "--kl_ctrl_type", "adaptive", "--kl_horizon", "10",
+            "--save_freq", "1", "--logger", "console,jsonl", "--default_local_dir", str(out_dir),
+            "--resume_mode", resume, *extra]
+
+
+def run_ppo(args, timeout=300):
+    """train_ppo.py under torchrun with two ranks; fails the test on a non-zero exit."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "MASTER_PORT": str(free_port())}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", env["MASTER_PORT"],
+           "train_ppo.py", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc.output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.output[-6000:]
+    return proc
+
+
+def checkpoint(out_dir, step):
+    """The model state dicts of a global_step_N folder, read without a process group."""
+    dst = out_dir / f"step{step}.pt"
+    dcp_to_torch_save(out_dir / f"global_step_{step}", dst)
+    state = torch.load(dst, weights_only=False)
+    return state["model.actor"], state["model.critic"]
+
+
+def two_step_run(assets, engine, *extra):
+    out = assets["tmp"] / f"ppo_{engine}{'_'.join(extra)}"
+    run_ppo(flags(assets, out, engine, 2, "disable", *extra))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_run(assets):
+    return two_step_run(assets, "hf")
+
+
+@pytest.fixture(scope="module")
+def vllm_run(assets):
+    return two_step_run(assets, "vllm")
+
+
+def check_metrics(m, names, step):
+    missing = [k for k in names if k not in m]
+    assert not missing, f"step {step} lacks {missing}"
+    bad = {k: m[k] for k in names if not math.isfinite(m[k])}
+    assert not bad, f"step {step}: non-finite {bad}"
+
+
+@pytest.mark.parametrize("run", ["hf_run", "vllm_run"])
+def test_two_steps_log_every_metric_and_change_actor_and_critic(run, assets, request):
+    out = request.getfixturevalue(run)
+    m = metrics_by_step(out)
+    assert sorted(m) == [1, 2]  # no validation before training (verl's quickstart)
+    for step, names in ((1, METRICS), (2, METRICS + STEP2_ONLY)):
+        check_metrics(m[step], names, step)
+        assert m[step]["rollout/logprob_gap_mean"] < 1e-3  # fp32 engine holds exactly the trainer's weights
+        assert m[step]["actor/grad_norm"] > 0 and m[step]["critic/grad_norm"] > 0 and m[step]["critic/vf_loss"] > 0
+        assert m[step]["critic/lr"] == pytest.approx(CRITIC_LR)  # constant
+        assert 0 <= m[step]["critic/vf_clipfrac"] <= 1
+        assert abs(m[step]["critic/advantages/mean"]) < 1e-5  # whitened over the batch
+    # --lr_warmup_steps 2: the actor trains at LR / 2, then LR
+    assert m[1]["actor/lr"] == pytest.approx(LR / 2) and m[2]["actor/lr"] == pytest.approx(LR)
+    # adaptive beta: step 1's policy is the reference, KL = 0 -> e = clip(0 / 6 - 1) = -0.2, beta *= 1 - 0.2 * 4 / 10
+    assert m[1]["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-6)
+    assert m[1]["actor/reward_kl_penalty_coeff"] == pytest.approx(0.001)
+    assert m[2]["actor/reward_kl_penalty_coeff"] == pytest.approx(0.001 * (1 - 0.2 * N / 10))
+    assert m[2]["actor/reward_kl_penalty"] != 0  # the actor moved away from the reference
+    # the critic learned from step 1: step 2's values come from the updated critic
+    assert m[2]["critic/values/mean"] != pytest.approx(m[1]["critic/values/mean"], abs=1e-4)
+
+    initial = load_file(f"{assets['model']}/model.safetensors")
+    final = load_file(out / "hf_model" / "model.safetensors")
+    for name, w in initial.items():
+        if w.dim() == 2:  # the export is bf16: ~half the entries move past rounding
+            assert (w.to(final[name].dtype) != final[name]).float().mean().item() > 0.1, name
+    actor, critic = checkpoint(out, 2)
+    for name, w in initial.items():
+        if w.dim() == 2:
+            assert not torch.equal(critic[name], w), name  # the value model's body trained too
+    assert critic.keys() == actor.keys() - {"lm_head.weight"} | {"score.weight", "score.bias"}  # body + value head
+    assert critic["score.weight"].shape == (1, 128)
+
+
+def test_critic_warmup_updates_only_the_critic_first(assets):
+    out = two_step_run(assets, "hf", "--critic_warmup", "1")
+    m = metrics_by_step(out)
+    assert not [k for k in ACTOR_ONLY if k in m[1]], "the actor updated during the critic's warm-up"
+    check_metrics(m[1], [k for k in METRICS if k not in ACTOR_ONLY], 1)
+    check_metrics(m[2], METRICS, 2)
+    assert m[2]["actor/lr"] == pytest.approx(LR / 2)  # the actor's schedule starts at its first update
+    initial = load_file(f"{assets['model']}/model.safetensors")
+    actor1, critic1 = checkpoint(out, 1)
+    actor2, _ = checkpoint(out, 2)
+    for name, w in initial.items():
+        torch.testing.assert_close(actor1[name], w, rtol=0, atol=0, msg=name)  # step 1: actor untouched
+        if w.dim() == 2:
+            assert not torch.equal(critic1[name], w), name  # ... the critic trained
+            assert not torch.equal(actor2[name], w), name  # step 2: the actor trains
+
+
+def test_resume_replays_the_uninterrupted_run(assets, hf_run):
+    out = assets["tmp"] / "ppo_hf_resumed"
+    run_ppo(flags(assets, out, "hf", 1))
+    second = run_ppo(flags(assets, out, "hf", 2, "auto"))
+    assert "resumed from" in second.output and "global_step_1" in second.output
+    resumed, whole = metrics_by_step(out), metrics_by_step(hf_run)
+    assert sorted(resumed) == [1, 2]
+    for step in (1, 2):
+        keys = {k for k in whole[step] if not k.startswith(("timing_s/", "perf/"))}
+        # the first launch's last step (1) also validated, so its row has the val-* metrics on top
+        assert keys <= resumed[step].keys()
+        differ = {k: (whole[step][k], resumed[step][k]) for k in keys
+                  if resumed[step][k] != pytest.approx(whole[step][k], rel=1e-6, abs=1e-12)}
+        assert not differ, f"step {step} differs after resuming: {differ}"
+    # the adaptive coefficient came back from the checkpoint (else step 2 would log 0.001 again)
+    assert resumed[2]["actor/reward_kl_penalty_coeff"] == whole[2]["actor/reward_kl_penalty_coeff"] != 0.001
+    for a, b in zip(checkpoint(hf_run, 2), checkpoint(out, 2)):  # actor and critic, bit for bit
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)

@@ -1,0 +1,1008 @@
+"""PPO: Proximal Policy Optimization with a learned critic (Schulman et al. 2017), as verl runs it for RLHF.
+
+Sample one response per prompt (or n), score it with a rule reward, and subtract beta * KL(pi_old ||
+pi_ref) from every token's reward (Ziegler et al. 2019, eq. 2; beta fixed or adapted toward a target KL,
+sec. 2.2). A critic, a value head on the same body, predicts each token's return; advantages are GAE
+(Schulman et al. 2016, eq. 16) over the shaped rewards, whitened over the batch. The policy is updated
+with the clipped surrogate (PPO eq. 7), the critic by clipped value regression (verl / PPO2's
+`cliprange_value`). Actor and critic keep separate optimizers and losses, so `--vf_coef` only scales the
+critic's loss. Variants behind flags: an adaptive KL controller, the KL as a loss term instead
+(`--use_kl_loss`), dual-clip (Ye et al. 2020), and critic warm-up. Left out: reward models (rule and user
+functions only), multi-turn rollouts, sequence parallelism, a shared actor-critic body.
+
+Run: torchrun --nproc_per_node=8 train_ppo.py --model Qwen/Qwen2.5-0.5B-Instruct
+Shapes: B prompts, n samples per prompt, N = B*n sequences, T response tokens, V vocabulary.
+"""
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
+                          HfArgumentParser)
+
+import reward
+import sharding
+from data.dataset import load_rl_dataset
+from rollout import group_share, logprob_gap, make_engine
+
+
+@dataclass
+class Args:
+    # model and data
+    model: str = field(default="Qwen/Qwen2.5-0.5B-Instruct", metadata={"help": "hub id or local folder"})
+    train_files: str = field(default="~/data/gsm8k/train.parquet", metadata={"help": "parquet, comma-separated"})
+    val_files: str = field(default="~/data/gsm8k/test.parquet", metadata={"help": "parquet, comma-separated"})
+    train_batch_size: int = field(default=256, metadata={"help": "prompts per step (all ranks)"})
+    max_prompt_length: int = field(default=512, metadata={"help": "tokens, after the chat template"})
+    max_response_length: int = field(default=512, metadata={"help": "tokens generated at most"})
+    filter_overlong_prompts: bool = field(default=False, metadata={"help": "drop prompts over max_prompt_length"})
+    truncation: str = field(default="error", metadata={"help": "overlong prompts when not filtered: error|left|right"})
+    # rollout
+    rollout_engine: str = field(default="vllm", metadata={"help": "vllm | hf (transformers generate)"})
+    rollout_n: int = field(default=1, metadata={"help": "responses per prompt"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})
+    top_k: int = field(default=-1, metadata={"help": "-1 = off"})
+    tensor_model_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM replica"})
+    gpu_memory_utilization: float = field(default=0.4, metadata={"help": "vLLM's share of GPU memory while awake"})
+    # actor update
+    ppo_mini_batch_size: int = field(default=64, metadata={"help": "prompts per optimizer step (x rollout_n inside)"})
+    ppo_micro_batch_size_per_gpu: int = field(default=4, metadata={"help": "sequences per forward/backward"})
+    log_prob_micro_batch_size_per_gpu: int = field(default=8, metadata={"help": "sequences per log-prob forward"})
+    ppo_epochs: int = field(default=1, metadata={"help": "passes over each batch"})
+    actor_lr: float = field(default=1e-6, metadata={"help": "AdamW learning rate"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
+    lr_warmup_steps: int = field(default=-1, metadata={"help": "-1: use lr_warmup_steps_ratio"})
+    lr_warmup_steps_ratio: float = field(default=0.0, metadata={"help": "warmup as a fraction of all steps"})
+    lr_scheduler_type: str = field(default="constant", metadata={"help": "constant | cosine (after warmup)"})
+    grad_clip: float = field(default=1.0, metadata={"help": "max global gradient norm"})
+    clip_ratio_low: float = field(default=0.2, metadata={"help": "ratio clipped below at 1 - this"})
+    clip_ratio_high: float = field(default=0.2, metadata={"help": "ratio clipped above at 1 + this (DAPO: 0.28)"})
+    clip_ratio_c: float = field(default=3.0, metadata={"help": "dual-clip bound for negative advantages"})
+    loss_agg_mode: str = field(default="token-mean", metadata={
+        "help": "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm"})
+    entropy_coeff: float = field(default=0.0, metadata={"help": "entropy bonus"})
+    use_kl_loss: bool = field(default=False, metadata={"help": "KL to the reference model in the loss"})
+    kl_loss_coef: float | None = field(default=None, metadata={"help": "default 0.001 when use_kl_loss"})
+    kl_loss_type: str = field(default="low_var_kl", metadata={"help": "k1 | k2 | k3 | low_var_kl | abs | mse"})
+    use_kl_in_reward: bool = field(default=True, metadata={"help": "subtract kl_coef * KL from the reward"})
+    kl_coef: float | None = field(default=None, metadata={"help": "default 0.001 when use_kl_in_reward"})
+    kl_penalty: str = field(default="kl", metadata={"help": "KL-in-reward estimator: kl (= k1) | k2 | k3 | abs | mse"})
+    kl_ctrl_type: str = field(default="fixed", metadata={"help": "fixed | adaptive (Ziegler et al. 2019)"})
+    kl_target: float = field(default=6.0, metadata={"help": "adaptive: the KL the coefficient steers toward"})
+    kl_horizon: int = field(default=10000, metadata={"help": "adaptive: sequences over which to correct"})
+    # advantages (GAE)
+    gamma: float = field(default=1.0, metadata={"help": "discount"})
+    lam: float = field(default=1.0, metadata={"help": "GAE lambda"})
+    # critic
+    critic_model: str | None = field(default=None, metadata={"help": "value model's body; default: --model"})
+    critic_lr: float = field(default=1e-5, metadata={"help": "critic AdamW learning rate (constant)"})
+    critic_weight_decay: float = field(default=0.01, metadata={"help": "critic AdamW weight decay"})
+    critic_warmup: int = field(default=0, metadata={
+        "help": "update only the critic for the first N steps (verl's `critic_warmup <= step` check: N - 1)"})
+    critic_ppo_micro_batch_size_per_gpu: int = field(default=4, metadata={"help": "sequences per critic forward"})
+    critic_grad_clip: float = field(default=1.0, metadata={"help": "critic's max global gradient norm"})
+    cliprange_value: float = field(default=0.5, metadata={"help": "new values kept within old +- this"})
+    vf_coef: float = field(default=1.0, metadata={
+        "help": "scales the critic's loss (verl applies it only to a shared actor-critic loss; with its own "
+                "optimizer it matters only through --critic_grad_clip)"})
+    # memory
+    enable_gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations"})
+    param_offload: bool = field(default=False, metadata={"help": "actor params, grads and optimizer on CPU"})
+    optimizer_offload: bool = field(default=False, metadata={"help": "optimizer state on CPU between steps"})
+    ref_param_offload: bool = field(default=False, metadata={"help": "reference model params on CPU"})
+    critic_enable_gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations"})
+    critic_param_offload: bool = field(default=False, metadata={"help": "critic params, grads and optimizer on CPU"})
+    critic_optimizer_offload: bool = field(default=False, metadata={"help": "critic optimizer state on CPU"})
+    use_remove_padding: bool = field(default=True, metadata={"help": "pack sequences instead of padding"})
+    # reward
+    custom_reward_function_path: str | None = field(default=None, metadata={"help": "a .py file"})
+    custom_reward_function_name: str = field(default="compute_score", metadata={"help": "function in that file"})
+    reward_errors: str = field(default="raise", metadata={"help": "raise | zero: a failing reward call scores 0"})
+    # trainer
+    total_epochs: int = field(default=15, metadata={"help": "passes over the training prompts"})
+    total_training_steps: int | None = field(default=None, metadata={"help": "overrides total_epochs"})
+    save_freq: int = field(default=10, metadata={"help": "checkpoint every N steps (-1: only at the end)"})
+    test_freq: int = field(default=10, metadata={"help": "validate every N steps (-1: never)"})
+    val_before_train: bool = field(default=False, metadata={"help": "validate before the first step"})
+    val_only: bool = field(default=False, metadata={"help": "only evaluate --model (or the checkpoint) and exit"})
+    val_n: int = field(default=1, metadata={"help": "val_only: samples per prompt for pass@k (T=val_temperature)"})
+    val_temperature: float = field(default=1.0, metadata={"help": "val_only: temperature of the pass@k samples"})
+    max_val_samples: int | None = field(default=None, metadata={"help": "validate on the first N prompts"})
+    resume_mode: str = field(default="auto", metadata={"help": "auto | disable | a global_step_N folder"})
+    default_local_dir: str | None = field(default=None, metadata={"help": "default checkpoints/PROJECT/EXPERIMENT"})
+    keep_last_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept on disk"})
+    export_final: bool = field(default=True, metadata={"help": "write the final policy as a HF folder"})
+    logger: str = field(default="console,jsonl", metadata={"help": "comma list of console, jsonl, wandb, tensorboard"})
+    project_name: str = field(default="ppo_gsm8k", metadata={"help": "for wandb / tensorboard / folders"})
+    experiment_name: str = field(default="qwen2.5_0.5b", metadata={"help": "for wandb / tensorboard / folders"})
+    seed: int = field(default=1, metadata={"help": "model init and data order; sampling uses seed + group"})
+
+
+# --- math: pure tensor functions, no globals, no I/O ---------------------------------------------
+
+
+def compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam, whiten=True):
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16), backwards over response tokens:
+
+      delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1},   returns_t = A_t + V_t
+
+    with V and A zero after the last token. Then A is whitened over all response tokens of the batch:
+    (A - mean) / sqrt(var + 1e-8), unbiased var (verl's masked_whiten); returns stay raw, the critic's target.
+    Padding never leaks in: a masked position passes V_{t+1} and A_{t+1} through unchanged (verl's
+    multi-turn form), so the last token sees V = 0 past the end whatever the padding holds.
+    All tensors (N, T); returns advantages (N, T) and returns (N, T), zero on padding.
+    """
+    next_values = torch.zeros_like(values[:, 0])  # (N,)
+    next_adv = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        m = response_mask[:, t]
+        delta = token_level_rewards[:, t] + gamma * next_values - values[:, t]
+        next_adv = m * (delta + gamma * lam * next_adv) + (1 - m) * next_adv
+        next_values = m * values[:, t] + (1 - m) * next_values
+        advantages[:, t] = next_adv
+    returns = (advantages + values) * response_mask
+    if whiten:
+        valid = advantages[response_mask.bool()]
+        advantages = (advantages - valid.mean()) * torch.rsqrt(valid.var() + 1e-8)
+    return advantages * response_mask, returns
+
+
+def agg_loss(loss_mat, response_mask, mode, num_tokens, num_seqs, max_response_length):
+    """Aggregate a per-token loss (N, T) into a scalar, with *global* denominators.
+
+    num_tokens / num_seqs count the whole mini-batch over all micro-batches and ranks, so splitting
+    it differently leaves the gradient unchanged (torchtune / verl 0.5 use the same rule).
+      token-mean:              sum_it l_it / num_tokens
+      seq-mean-token-sum:      sum_i (sum_t l_it) / num_seqs
+      seq-mean-token-mean:     sum_i (sum_t l_it / |y_i|) / num_seqs
+      seq-mean-token-sum-norm: sum_it l_it / (num_seqs * max_response_length)   (Dr.GRPO)
+    """
+    masked = loss_mat * response_mask
+    if mode == "token-mean":
+        return masked.sum() / num_tokens
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / num_seqs
+    if mode == "seq-mean-token-mean":
+        return (masked.sum(-1) / response_mask.sum(-1).clamp(min=1)).sum() / num_seqs
+    if mode == "seq-mean-token-sum-norm":
+        return masked.sum() / (num_seqs * max_response_length)
+    raise ValueError(f"--loss_agg_mode {mode!r} is not one of token-mean, seq-mean-token-mean, "
+                     "seq-mean-token-sum, seq-mean-token-sum-norm")
+
+
+def compute_policy_loss(old_log_probs, log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high,
+                        clip_ratio_c):
+    """Per-token clipped surrogate loss (N, T), negated once, plus its statistics (sums over tokens).
+
+    PPO eq. 7: L = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A), ratio = pi/pi_old;
+    clip-higher uses eps_high > eps_low (DAPO eq. 10); for A < 0 the loss is further capped at
+    -c * A (dual-clip, Ye et al. 2020 eq. 5), so a huge ratio on a bad token cannot blow up.
+    Returns pg_losses (N, T) and sums over response tokens of: clipped (pg_clipfrac), dual-clipped
+    (pg_clipfrac_lower) and -log_ratio (ppo_kl); the caller divides by the global token count.
+    """
+    log_ratio = (log_probs - old_log_probs).clamp(-20.0, 20.0)  # exp() overflows beyond this
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    surrogate = torch.min(ratio * advantages, clipped_ratio * advantages)
+    dual = torch.max(surrogate, clip_ratio_c * advantages)  # only binds for A < 0
+    objective = torch.where(advantages < 0, dual, surrogate)
+    pg_losses = -objective
+    mask = response_mask.bool()
+    stats = {
+        "pg_clipfrac": ((clipped_ratio * advantages < ratio * advantages) & mask).sum(),
+        "pg_clipfrac_lower": ((surrogate < clip_ratio_c * advantages) & (advantages < 0) & mask).sum(),
+        "ppo_kl": (-log_ratio * response_mask).sum(),
+    }
+    return pg_losses, stats
+
+
+def compute_value_loss(vpreds, values, returns, response_mask, cliprange_value, loss_agg_mode, num_tokens, num_seqs,
+                       max_response_length):
+    """Clipped value loss (PPO2's `cliprange_value`, as verl's compute_value_loss), aggregated globally.
+
+      vpredclipped = values + clip(vpreds - values, -c, c)
+      vf_loss = 0.5 * agg(max((vpreds - returns)^2, (vpredclipped - returns)^2))
+
+    The max makes the loss pessimistic: a prediction may not move more than c from the old value to
+    lower it. vpreds (new), values (old, from the same rollout), returns: (N, T). Returns the scalar
+    vf_loss and the sum over response tokens of vf_clipfrac (the clipped term was the larger one);
+    the caller divides by the global token count, as for the policy loss.
+    """
+    vpredclipped = values + (vpreds - values).clamp(-cliprange_value, cliprange_value)
+    vf_losses1 = (vpreds - returns).square()
+    vf_losses2 = (vpredclipped - returns).square()
+    vf_loss = 0.5 * agg_loss(torch.max(vf_losses1, vf_losses2), response_mask, loss_agg_mode, num_tokens, num_seqs,
+                             max_response_length)
+    return vf_loss, {"vf_clipfrac": ((vf_losses2 > vf_losses1) & response_mask.bool()).sum()}
+
+
+def explained_variance(returns, values, response_mask):
+    """1 - Var[returns - values] / Var[returns] over response tokens: 1 = the critic predicts the returns,
+    0 = no better than their mean (verl's critic/vf_explained_var, with its 1e-5)."""
+    mask = response_mask.bool()
+    return (1 - (returns - values)[mask].var() / (returns[mask].var() + 1e-5)).item()
+
+
+def kl_penalty(log_probs, ref_log_probs, kl_type):
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating KL").
+
+    k1 = log r, k2 (mse) = (log r)^2 / 2, k3 (low_var_kl) = r' - 1 - log r' with r' = pi_ref / pi
+    (unbiased and always >= 0), abs = |log r|, where log r = log pi - log pi_ref. k3 is clamped
+    to [-10, 10] as in verl, against rare huge ratios.
+    """
+    log_ratio = log_probs - ref_log_probs
+    if kl_type in ("k1", "kl"):  # "kl" is verl's name for k1 in its kl_penalty
+        return log_ratio
+    if kl_type == "abs":
+        return log_ratio.abs()
+    if kl_type in ("k2", "mse"):
+        return 0.5 * log_ratio.square()
+    if kl_type in ("k3", "low_var_kl"):
+        neg = (-log_ratio).clamp(-20.0, 20.0)
+        return (neg.exp() - neg - 1).clamp(-10.0, 10.0)
+    raise ValueError(f"--kl_loss_type {kl_type!r} is not one of k1, k2, k3, low_var_kl, abs, mse")
+
+
+class FixedKLController:
+    """beta stays at its initial value."""
+
+    def __init__(self, kl_coef):
+        self.value = kl_coef
+
+    def update(self, current_kl, n_steps):
+        pass
+
+
+class AdaptiveKLController:
+    """beta steered toward a target KL (Ziegler et al. 2019, sec. 2.2):
+
+      e = clip(KL / target - 1, -0.2, 0.2),   beta <- beta * (1 + e * n_steps / horizon)
+
+    n_steps: sequences in the batch that measured KL (verl passes the batch size).
+    """
+
+    def __init__(self, kl_coef, target, horizon):
+        self.value, self.target, self.horizon = kl_coef, target, horizon
+
+    def update(self, current_kl, n_steps):
+        proportional_error = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + proportional_error * n_steps / self.horizon
+
+
+def apply_kl_penalty(token_level_scores, old_log_probs, ref_log_probs, response_mask, beta, kl_type):
+    """r_t = score_t - beta * KL_t (Ziegler et al. 2019, eq. 2), KL_t an estimate of KL(pi_old || pi_ref).
+
+    token_level_scores (N, T) holds each score on its last response token. Returns token_level_rewards
+    (N, T) and the batch's KL as verl feeds its controller: the per-sequence mean over response
+    tokens, averaged over sequences. Does not update the controller: the caller does, with that KL.
+    """
+    kl = kl_penalty(old_log_probs, ref_log_probs, kl_type) * response_mask  # (N, T)
+    current_kl = (kl.sum(-1) / response_mask.sum(-1).clamp(min=1)).mean().item()
+    return token_level_scores - beta * kl, current_kl
+
+
+def entropy_from_logits(logits):
+    """H = logsumexp(z) - sum_v softmax(z)_v z_v, per position: logits (..., V) -> (...)."""
+    probs = torch.softmax(logits, -1)
+    return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
+
+
+# --- plumbing kept in the script: batching, log-probs, metrics ----------------------------------
+
+
+def collate(samples, packed, device):
+    """Model inputs for a micro-batch of (prompt_ids, response_ids) pairs, and where to read back.
+
+    Padded: prompts left-padded, responses right-padded, logits kept for the last T+1 positions.
+    Packed (`--use_remove_padding`): all sequences in one row, positions restarting per sequence
+    (transformers then masks attention across sequences), logits kept only where a response token
+    is predicted. `unpack` = (rows, cols, b, T): response token k sits at [rows[k], cols[k]] of a
+    (b, T) result, T = longest response, in the order of the kept logits.
+    """
+    T = max(max(len(r) for _, r in samples), 1)
+    rows = torch.tensor([i for i, (_, r) in enumerate(samples) for _ in r], device=device)
+    cols = torch.tensor([t for _, r in samples for t in range(len(r))], device=device)
+    unpack = (rows, cols, len(samples), T)
+    if packed:
+        ids, pos, keep = [], [], []
+        for p, r in samples:
+            keep += range(len(ids) + len(p) - 1, len(ids) + len(p) + len(r) - 1)
+            ids += p + r
+            pos += range(len(p) + len(r))
+        return dict(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([pos], device=device),
+                    logits_to_keep=torch.tensor(keep, device=device), unpack=unpack)
+    P = max(len(p) for p, _ in samples)
+    ids = [[0] * (P - len(p)) + p + r + [0] * (T - len(r)) for p, r in samples]
+    attn = [[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (T - len(r)) for p, r in samples]
+    attn = torch.tensor(attn, device=device)
+    return dict(input_ids=torch.tensor(ids, device=device), attention_mask=attn,
+                position_ids=(attn.cumsum(-1) - 1).clamp(min=0), logits_to_keep=T + 1, unpack=unpack)
+
+
+def response_targets(samples, T, device):
+    """(b, T) response token ids and response_mask."""
+    ids = torch.tensor([r + [0] * (T - len(r)) for _, r in samples], device=device)
+    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for _, r in samples], device=device)
+    return ids, mask.float()
+
+
+def forward_log_probs(model, samples, temperature, packed, with_entropy, entropy_grad=True):
+    """log pi(y_t | x, y_<t) of each response token, (b, T), and the entropy (b, T) if asked
+    (without a gradient unless `entropy_grad`: as a metric only, it needs no backward through the
+    softmax over the vocabulary)."""
+    device = next(model.parameters()).device
+    batch = collate(samples, packed, device)
+    rows, cols, b, T = batch.pop("unpack")
+    logits = model(**batch, use_cache=False).logits.float() / temperature  # verl scales by T too
+    # one row per response token, (K, V): packed logits already are; padded ones drop the last
+    # position (position t predicts token t+1) and the padding
+    logits = logits[0] if packed else logits[:, :-1][rows, cols]
+    targets = torch.tensor([t for _, r in samples for t in r], device=device)
+    # gather - logsumexp: the log-softmax of only the taken tokens, no (K, V) log-prob copy
+    flat = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+    log_probs = torch.zeros(b, T, device=device, dtype=flat.dtype).index_put((rows, cols), flat)
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            flat_entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+        entropy = torch.zeros(b, T, device=device, dtype=flat_entropy.dtype).index_put((rows, cols), flat_entropy)
+    return log_probs, entropy
+
+
+@torch.no_grad()
+def batched_log_probs(model, samples, micro, temperature, packed, T):
+    """Log-probs (N, T) of a rank's sequences, in micro-batches (same count on every rank)."""
+    out = []
+    for i in range(0, len(samples), micro):
+        lp, _ = forward_log_probs(model, samples[i:i + micro], temperature, packed, False)
+        out.append(torch.nn.functional.pad(lp, (0, T - lp.shape[1])))
+    return torch.cat(out)
+
+
+def forward_values(model, samples, packed):
+    """V of each response token (b, T): the score head read where that token's log-prob is read (position
+    P-1+t predicts token t), so the value of token t sees only the prompt and y_<t, as in verl."""
+    device = next(model.parameters()).device
+    batch = collate(samples, packed, device)
+    rows, cols, b, T = batch.pop("unpack")
+    keep = batch.pop("logits_to_keep")  # the value model has no logits_to_keep: select after the head
+    out = model(**batch, use_cache=False).logits[..., 0].float()  # (1, packed length) or (b, P + T)
+    flat = out[0, keep] if packed else out[:, -keep:-1][rows, cols]
+    return torch.zeros(b, T, device=device, dtype=flat.dtype).index_put((rows, cols), flat)
+
+
+@torch.no_grad()
+def batched_values(model, samples, micro, packed, T):
+    """Values (N, T) of a rank's sequences, in micro-batches."""
+    out = [forward_values(model, samples[i:i + micro], packed) for i in range(0, len(samples), micro)]
+    return torch.cat([torch.nn.functional.pad(v, (0, T - v.shape[1])) for v in out])
+
+
+def all_sum(*values, device):
+    """Sum floats over ranks."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def gather_objects(obj):
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_batch(*tensors):
+    """Every rank's rows of each (b, T_rank) tensor, right-padded to the longest T, in rank order: the
+    whole batch on every rank, for statistics over the batch (whitening, the controller's KL)."""
+    parts = gather_objects([t.cpu() for t in tensors])
+    T = max(p[0].shape[1] for p in parts)
+    return [torch.cat([torch.nn.functional.pad(p[k], (0, T - p[k].shape[1])) for p in parts]).to(tensors[0].device)
+            for k in range(len(tensors))]
+
+
+def flops_per_token(config, seq_len):
+    """Forward FLOPs per token: 2 x the parameters a token is multiplied through (the lm_head once,
+    the embedding lookup never, so tied and untied models count alike) + attention scores and
+    values, 2 * 2 * layers * seq_len * heads * head_dim, halved for causal masking."""
+    h, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+    return 2 * (L * per_layer + V * h) + 2 * L * seq_len * q
+
+
+def measure_peak_flops(device):
+    """Measured dense matmul rate (FLOP/s) of this device: the MFU denominator."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    t, iters = time.perf_counter(), 20
+    for _ in range(iters):
+        a @ b
+    sync(device)
+    return 2 * n**3 * iters / (time.perf_counter() - t)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Timer:
+    """`with timer("gen"):` adds the seconds spent inside to metrics["timing_s/gen"] (nestable)."""
+
+    def __init__(self, metrics, device):
+        self.metrics, self.device = metrics, device
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        sync(self.device)
+        cuda = self.device.type == "cuda"
+        if cuda:  # peak memory per phase (it counts the engine's pool too, when awake)
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        yield
+        sync(self.device)
+        key = f"timing_s/{name}"
+        self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - t0
+        if cuda:
+            key = f"perf/max_memory_allocated_gb/{name}"
+            self.metrics[key] = max(self.metrics.get(key, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+
+
+class Logger:
+    """Rank 0 only: console line per step (verl's format), jsonl, wandb, tensorboard."""
+
+    def __init__(self, args, out_dir):
+        self.kinds = {k.strip() for k in args.logger.strip("[]").split(",") if k.strip()}
+        self.on = sharding.rank() == 0
+        self.path, self.wandb, self.tb = os.path.join(out_dir, "metrics.jsonl"), None, None
+        if not self.on:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        if "wandb" in self.kinds:
+            import wandb
+            self.wandb = wandb.init(project=args.project_name, name=args.experiment_name, config=asdict(args))
+        if "tensorboard" in self.kinds:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+
+    def truncate(self, step):
+        """Drop log lines after `step`: a resumed (or restarted) run rewrites what follows."""
+        if self.on and os.path.exists(self.path):
+            with open(self.path) as f:
+                lines = [line for line in f if json.loads(line)["step"] <= step]
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(lines)
+            os.replace(self.path + ".tmp", self.path)
+
+    def log(self, metrics, step):
+        if not self.on:
+            return
+        if "console" in self.kinds:
+            tqdm.write(f"step:{step} - " + " - ".join(f"{k}:{v:.4g}" if isinstance(v, float) else f"{k}:{v}"
+                                                      for k, v in sorted(metrics.items())))
+        if "jsonl" in self.kinds:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+        if self.tb:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+
+
+# --- setup ---------------------------------------------------------------------------------------
+
+
+def check_args(args, world_size):
+    """Fail at start-up, naming the flags, before anything heavy loads."""
+    def need(ok, msg):
+        if not ok:
+            raise SystemExit(f"{os.path.basename(__file__)}: {msg}")
+    need(args.rollout_n >= 1, "--rollout_n must be >= 1")
+    need(args.train_batch_size % world_size == 0,
+         f"--train_batch_size {args.train_batch_size} must be divisible by the number of GPUs {world_size}")
+    need(args.train_batch_size % args.ppo_mini_batch_size == 0,
+         f"--train_batch_size {args.train_batch_size} must be divisible by --ppo_mini_batch_size "
+         f"{args.ppo_mini_batch_size}")
+    need(args.ppo_mini_batch_size * args.rollout_n % world_size == 0,
+         f"--ppo_mini_batch_size x --rollout_n ({args.ppo_mini_batch_size * args.rollout_n}) must be divisible by "
+         f"the number of GPUs {world_size}")
+    per_gpu = args.ppo_mini_batch_size * args.rollout_n // world_size
+    need(per_gpu % args.ppo_micro_batch_size_per_gpu == 0,
+         f"a mini-batch holds {per_gpu} sequences per GPU (--ppo_mini_batch_size x --rollout_n / GPUs), not "
+         f"divisible by --ppo_micro_batch_size_per_gpu {args.ppo_micro_batch_size_per_gpu}")
+    need(per_gpu % args.critic_ppo_micro_batch_size_per_gpu == 0,
+         f"a mini-batch holds {per_gpu} sequences per GPU (--ppo_mini_batch_size x --rollout_n / GPUs), not "
+         f"divisible by --critic_ppo_micro_batch_size_per_gpu {args.critic_ppo_micro_batch_size_per_gpu}")
+    need(world_size % args.tensor_model_parallel_size == 0,
+         f"--tensor_model_parallel_size {args.tensor_model_parallel_size} must divide the number of GPUs {world_size}")
+    need(args.kl_loss_coef is None or args.use_kl_loss, "--kl_loss_coef is set but --use_kl_loss is false")
+    need(args.kl_coef is None or args.use_kl_in_reward, "--kl_coef is set but --use_kl_in_reward is false")
+    need(args.kl_ctrl_type in ("fixed", "adaptive"), "--kl_ctrl_type must be fixed or adaptive")
+    need(args.kl_penalty in ("kl", "k1", "k2", "k3", "low_var_kl", "abs", "mse"),
+         "--kl_penalty must be kl (= k1), k2, k3, low_var_kl, abs or mse")
+    need(args.truncation in ("error", "left", "right"), "--truncation must be error, left or right")
+    need(args.reward_errors in ("raise", "zero"), "--reward_errors must be raise or zero")
+    need(args.rollout_engine in ("vllm", "hf"), "--rollout_engine must be vllm or hf")
+    need(args.resume_mode in ("auto", "disable") or os.path.isdir(args.resume_mode),
+         f"--resume_mode must be auto, disable or an existing global_step_N folder, got {args.resume_mode!r}")
+    for kind in (k.strip() for k in args.logger.strip("[]").split(",") if k.strip()):
+        need(kind in ("console", "jsonl", "wandb", "tensorboard"),
+             f"--logger {kind!r}: choose from console, jsonl, wandb, tensorboard")
+        module = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(kind)
+        need(module is None or importlib.util.find_spec(module) is not None,
+             f"--logger {kind} needs the {module} package: pip install {module}")
+    agg_loss(torch.zeros(1, 1), torch.ones(1, 1), args.loss_agg_mode, 1, 1, 1)  # raises on a bad mode
+    kl_penalty(torch.zeros(1), torch.zeros(1), args.kl_loss_type)
+    args.optimizer_offload &= not args.param_offload  # param_offload already steps the optimizer on the CPU
+    args.critic_optimizer_offload &= not args.critic_param_offload
+    args.kl_loss_coef = 0.001 if args.kl_loss_coef is None else args.kl_loss_coef
+    args.kl_coef = 0.001 if args.kl_coef is None else args.kl_coef
+    args.critic_model = args.critic_model or args.model
+    args.default_local_dir = args.default_local_dir or os.path.join("checkpoints", args.project_name,
+                                                                    args.experiment_name)
+
+
+def init_distributed():
+    """torchrun sets RANK/WORLD_SIZE; a plain `python train_*.py` runs as a world of one."""
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda"
+                            else None)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def load_policy(path, device, trainable, offload, args):
+    """A Hugging Face causal LM, fp32 masters, sharded with FSDP2 (bf16 compute on GPU)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    if device.type == "cuda" and not offload:
+        model.to(device)
+    sharding.apply_fsdp2(model, param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                         gradient_checkpointing=trainable and args.enable_gradient_checkpointing,
+                         cpu_offload=offload)
+    if not trainable:
+        model.requires_grad_(False).eval()
+    return model
+
+
+def load_critic(path, device, args):
+    """A value model on the policy's body, as verl builds it: AutoModelForTokenClassification with one label
+    (the body under `.model`, a new linear `.score` head), fp32 masters, sharded with FSDP2. Dropout off
+    (transformers' default for the head is 0.1; verl sets 0 too), so values are deterministic."""
+    config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0)
+    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
+                                                            attn_implementation="sdpa")
+    if device.type == "cuda" and not args.critic_param_offload:
+        model.to(device)
+    sharding.apply_fsdp2(model, param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                         gradient_checkpointing=args.critic_enable_gradient_checkpointing,
+                         cpu_offload=args.critic_param_offload)
+    return model
+
+
+def lr_lambda(args, total_steps):
+    warmup = args.lr_warmup_steps if args.lr_warmup_steps >= 0 else int(args.lr_warmup_steps_ratio * total_steps)
+
+    def f(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        if args.lr_scheduler_type == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
+        return 1.0
+    return f
+
+
+def batch_order(n_examples, batch_size, epoch, seed):
+    """The prompts of each step of an epoch: a seeded shuffle, last partial batch dropped (verl)."""
+    perm = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return [perm[i:i + batch_size] for i in range(0, n_examples - batch_size + 1, batch_size)]
+
+
+def rollout(engine, examples, args, tokenizer, reward_fn, seed, n, temperature):
+    """Generate n responses per prompt and score them; returns the groups of all ranks, in order.
+
+    Each tensor-parallel group generates its share of `examples` (the same list on every rank);
+    each rank decodes and scores its own slice, then all slices are gathered, so every rank
+    holds the whole batch, in the global order, and computes identical batch statistics.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine, my_slice = group_share(examples, rank, world, engine.tp)
+    outs = engine.generate([e.prompt_ids for e in mine], n=n, temperature=temperature, top_p=args.top_p,
+                           top_k=args.top_k, max_tokens=args.max_response_length, seed=seed)
+    mine, outs = mine[my_slice], outs[my_slice]
+    texts = tokenizer.batch_decode([s.token_ids for out in outs for s in out], skip_special_tokens=True)
+    sources = [e.data_source for e in mine for _ in range(n)]
+    truths = [e.ground_truth for e in mine for _ in range(n)]
+    infos = [e.extra_info for e in mine for _ in range(n)]
+    scores, extras, n_errors = reward.score_batch(reward_fn, sources, texts, truths, infos, args.reward_errors)
+    flexible = [reward.compute_score(s, t, g, i, method="flexible") if s in reward.SCORERS else float("nan")
+                for s, t, g, i in zip(sources, texts, truths, infos)]
+    groups = []
+    for i, (e, out) in enumerate(zip(mine, outs)):
+        k = slice(i * n, (i + 1) * n)
+        groups.append(dict(example=e, samples=out, scores=scores[k], flexible=flexible[k],
+                           extras={key: v[k] for key, v in extras.items()}))
+    gathered = gather_objects((groups, n_errors))
+    return [g for gs, _ in gathered for g in gs], sum(e for _, e in gathered)
+
+
+def validate(engine, val, args, tokenizer, reward_fn, n=1, temperature=0.0):
+    """Greedy mean@1 (strict: the training reward; flexible: the last number) per data source, and
+    with n > 1 sampled mean@n and pass@n. Uneven shares are fine: groups generate independently."""
+    examples = val.examples[:args.max_val_samples] if args.max_val_samples else val.examples
+    share = examples[engine.dp_rank::engine.dp_size]
+    outs = engine.generate([e.prompt_ids for e in share], n=n, temperature=temperature, top_p=1.0, top_k=-1,
+                           max_tokens=args.max_response_length, seed=args.seed)
+    texts = tokenizer.batch_decode([s.token_ids for out in outs for s in out], skip_special_tokens=True)
+    rows = []
+    for i, e in enumerate(share):
+        strict = [float(reward.score_batch(reward_fn, [e.data_source], [t], [e.ground_truth], [e.extra_info],
+                                           args.reward_errors)[0][0]) for t in texts[i * n:(i + 1) * n]]
+        flex = [reward.compute_score(e.data_source, t, e.ground_truth, method="flexible")
+                if e.data_source in reward.SCORERS else float("nan") for t in texts[i * n:(i + 1) * n]]
+        rows.append((e.data_source, strict, flex, [len(s.token_ids) for s in outs[i]]))
+    rows = [r for rs in gather_objects(rows if engine.tp_rank == 0 else []) for r in rs]
+    metrics = {}
+    for source in sorted({r[0] for r in rows}):
+        mine = [r for r in rows if r[0] == source]
+        for name, idx in (("reward", 1), ("reward_flexible", 2)):
+            vals = np.array([r[idx] for r in mine])
+            if np.isnan(vals).all():
+                continue
+            metrics[f"val-core/{source}/{name}/mean@{n}"] = float(vals.mean())
+            if n > 1:
+                metrics[f"val-core/{source}/{name}/pass@{n}"] = float((vals.max(1) > 0).mean())
+        metrics[f"val-aux/{source}/response_length/mean"] = float(np.mean([x for r in mine for x in r[3]]))
+    return metrics
+
+
+def main(args):
+    rank, world, device = init_distributed()
+    check_args(args, world)
+    reward_fn = reward.load_reward_function(args.custom_reward_function_path, args.custom_reward_function_name)
+    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)  # same init on every rank
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    data_kw = dict(tokenizer=tokenizer, max_prompt_length=args.max_prompt_length,
+                   filter_overlong_prompts=args.filter_overlong_prompts, truncation=args.truncation)
+    val = load_rl_dataset(args.val_files.split(","), **data_kw) if args.test_freq > 0 or args.val_only else None
+    train = None if args.val_only else load_rl_dataset(args.train_files.split(","), **data_kw)
+    if train is not None and len(train) < args.train_batch_size:
+        raise SystemExit(f"{os.path.basename(__file__)}: {args.train_files} holds {len(train)} usable prompts, fewer than "
+                         f"--train_batch_size {args.train_batch_size}")
+    steps_per_epoch = len(train) // args.train_batch_size if train else 0
+    total_steps = args.total_training_steps or steps_per_epoch * args.total_epochs
+
+    # models: the actor (trained), the reference (frozen, only when a KL term is on), the critic, the engine
+    use_ref = (args.use_kl_loss or args.use_kl_in_reward) and not args.val_only
+    actor = load_policy(args.model, device, not args.val_only, args.param_offload, args)
+    ref = load_policy(args.model, device, False, args.ref_param_offload, args) if use_ref else None
+    optimizer = torch.optim.AdamW(actor.parameters(), lr=args.actor_lr, weight_decay=args.weight_decay,
+                                  betas=(0.9, 0.999))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, total_steps))
+    models, optimizers, schedulers = {"actor": actor}, {"actor": optimizer}, {"actor": scheduler}
+    if not args.val_only:
+        critic = load_critic(args.critic_model, device, args)
+        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr,
+                                             weight_decay=args.critic_weight_decay, betas=(0.9, 0.999))
+        critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lambda _: 1.0)  # verl: constant
+        models["critic"], optimizers["critic"], schedulers["critic"] = critic, critic_optimizer, critic_scheduler
+    kl_ctrl = (AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_ctrl_type == "adaptive"
+               else FixedKLController(args.kl_coef))
+    step, epoch, batch_idx = 0, 0, 0
+    resume = sharding.latest_checkpoint(args.default_local_dir) if args.resume_mode == "auto" else (
+        None if args.resume_mode == "disable" else args.resume_mode)
+    if resume:
+        state = sharding.load_checkpoint(resume, models, optimizers, schedulers)
+        step, epoch, batch_idx = state["global_step"], state["epoch"], state["batch_idx"]
+        kl_ctrl.value = state.get("kl_coef", kl_ctrl.value)
+        if rank == 0:
+            print(f"resumed from {resume} (step {step})", flush=True)
+    if step >= total_steps and not args.val_only:
+        if rank == 0:
+            print(f"{os.path.basename(__file__)}: {resume} already finished {step} of {total_steps} steps; nothing to do. Raise "
+                  "--total_training_steps / --total_epochs to train on, or use --resume_mode disable to start over.")
+        return
+    engine = make_engine(args.rollout_engine, args.model, tensor_parallel_size=args.tensor_model_parallel_size,
+                         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                         max_model_len=args.max_prompt_length + args.max_response_length,
+                         dtype="bfloat16" if device.type == "cuda" else "float32",
+                         enforce_eager=device.type != "cuda", load_format="dummy")
+    push_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    engine.update_weights(sharding.iter_full_tensors(actor, dtype=push_dtype, device=device))
+    logger = Logger(args, args.default_local_dir)
+    logger.truncate(step - 1 if step == 0 else step)
+    if args.val_only:
+        metrics = validate(engine, val, args, tokenizer, reward_fn)
+        if args.val_n > 1:
+            metrics |= validate(engine, val, args, tokenizer, reward_fn, n=args.val_n, temperature=args.val_temperature)
+        logger.log(metrics, step)
+        return metrics
+    if args.val_before_train and val is not None and step == 0:
+        logger.log(validate(engine, val, args, tokenizer, reward_fn), step)
+    peak_flops = measure_peak_flops(device) * world
+    config = actor.config
+    packed = args.use_remove_padding
+    n, B = args.rollout_n, args.train_batch_size
+    per_rank = B // world  # prompts per rank
+
+    def next_prompts():
+        nonlocal epoch, batch_idx
+        order = batch_order(len(train), B, epoch, args.seed)
+        if batch_idx >= len(order):
+            epoch, batch_idx = epoch + 1, 0
+            order = batch_order(len(train), B, epoch, args.seed)
+        batch_idx += 1
+        return [train[i] for i in order[batch_idx - 1]]
+
+    bar = tqdm(total=total_steps, initial=step, disable=rank != 0, desc="steps")
+    while step < total_steps:
+        step += 1
+        metrics, timer = {}, Timer({}, device)
+        with timer("step"):
+            # 1 generate: the engine (awake, holding the latest weights) samples n responses per prompt
+            # 2 score: rule or user reward per response, in the same call
+            with timer("gen"):
+                groups, n_errors = rollout(engine, next_prompts(), args, tokenizer, reward_fn,
+                                           seed=hash((args.seed, step, engine.dp_rank)) % 2**31, n=n,
+                                           temperature=args.temperature)
+                engine.sleep()
+            all_scores = torch.tensor([s for g in groups for s in g["scores"]])
+            mine = groups[rank * per_rank:(rank + 1) * per_rank]
+            samples = [(g["example"].prompt_ids, s.token_ids) for g in mine for s in g["samples"]]  # N/world
+            T = max(max(len(r) for _, r in samples), 1)
+            _, response_mask = response_targets(samples, T, device)  # (N/world, T)
+            rollout_log_probs = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for g in mine
+                                              for s in g["samples"]], device=device)
+            scores = torch.tensor([s for g in mine for s in g["scores"]], device=device)  # (N/world,)
+
+            # 3 old and reference log-probs, recomputed by the FSDP2 actor (the engine's are a check)
+            with timer("old_log_prob"):
+                old_log_probs = batched_log_probs(actor, samples, args.log_prob_micro_batch_size_per_gpu,
+                                                  args.temperature, packed, T)
+            if ref is not None:
+                with timer("ref"):
+                    ref_log_probs = batched_log_probs(ref, samples, args.log_prob_micro_batch_size_per_gpu,
+                                                      args.temperature, packed, T)
+
+            # 3b values: the critic's estimate of each token's return, before its update
+            with timer("values"):
+                values = batched_values(critic, samples, args.critic_ppo_micro_batch_size_per_gpu, packed, T)
+
+            # 4 advantages: the score sits on the last response token; KL-in-reward subtracts beta * KL on
+            # every token, then GAE. Over the whole batch, gathered on every rank: the controller's KL and
+            # the whitening are batch statistics (verl computes them on the whole batch too).
+            with timer("adv"):
+                last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+                token_level_scores = torch.zeros_like(response_mask)
+                token_level_scores[torch.arange(len(samples)), last] = scores
+                batch_scores, batch_values, batch_mask, *batch_log_probs = gather_batch(
+                    token_level_scores, values, response_mask,
+                    *((old_log_probs, ref_log_probs) if args.use_kl_in_reward else ()))  # (N, T_max)
+                batch_rewards = batch_scores
+                if args.use_kl_in_reward:
+                    metrics["actor/reward_kl_penalty_coeff"] = kl_ctrl.value  # the beta this step used
+                    batch_rewards, metrics["actor/reward_kl_penalty"] = apply_kl_penalty(
+                        batch_scores, *batch_log_probs, batch_mask, kl_ctrl.value, args.kl_penalty)
+                    kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=len(batch_mask))
+                batch_advantages, batch_returns = compute_gae_advantage_return(batch_rewards, batch_values,
+                                                                               batch_mask, args.gamma, args.lam)
+                metrics["critic/vf_explained_var"] = explained_variance(batch_returns, batch_values, batch_mask)
+                my_rows = slice(rank * len(samples), (rank + 1) * len(samples))  # back to this rank's share
+                token_level_rewards, advantages, returns = (x[my_rows, :T] for x in (batch_rewards, batch_advantages,
+                                                                                     batch_returns))
+
+            # 5a update the critic: clipped regression of the values toward the returns
+            with timer("update_critic"):
+                metrics["critic/lr"] = critic_scheduler.get_last_lr()[0]
+                if args.critic_optimizer_offload:
+                    sharding.move_optimizer_state(critic_optimizer, device)
+                metrics |= update_critic(critic, critic_optimizer, samples, values, returns, response_mask, args,
+                                         step, device)
+                critic_scheduler.step()
+                if args.critic_optimizer_offload:
+                    sharding.move_optimizer_state(critic_optimizer, "cpu")
+
+            # 5b update the actor once the critic has warmed up: mini-batches x epochs, micro-batch gradient
+            # accumulation, global normalisation
+            if step > args.critic_warmup:
+                with timer("update_actor"):
+                    metrics["actor/lr"] = scheduler.get_last_lr()[0]  # this update's rate (after step(): the next's)
+                    if args.optimizer_offload:
+                        sharding.move_optimizer_state(optimizer, device)
+                    metrics |= update_actor(actor, optimizer, samples, old_log_probs,
+                                            ref_log_probs if args.use_kl_loss else None, advantages,
+                                            response_mask, args, step, device)
+                    scheduler.step()
+                    if args.optimizer_offload:
+                        sharding.move_optimizer_state(optimizer, "cpu")
+
+            # 6 push the new weights into the engine: FSDP2 shards -> full tensors -> vLLM's loaders
+            with timer("update_weights"):
+                optimizer.zero_grad(set_to_none=True)
+                engine.update_weights(sharding.iter_full_tensors(actor, dtype=push_dtype, device=device))
+
+        # 7 log, validate, save
+        lengths = torch.tensor([len(s.token_ids) for g in groups for s in g["samples"]], dtype=torch.float)
+        n_tokens = all_sum(response_mask.sum().item(), device=device)[0]
+        prompt_tokens = sum(len(g["example"].prompt_ids) for g in groups) * n
+        seq_len = (prompt_tokens + lengths.sum().item()) / len(lengths)
+        fpt = flops_per_token(config, seq_len)
+        t = timer.metrics
+        metrics |= {
+            "critic/score/mean": all_scores.mean().item(), "critic/score/max": all_scores.max().item(),
+            "critic/score/min": all_scores.min().item(),
+            "critic/rewards/mean": all_sum(token_level_rewards.sum().item(), device=device)[0] / len(lengths),
+            "critic/advantages/mean": all_sum((advantages * response_mask).sum().item(), device=device)[0]
+            / max(n_tokens, 1),
+            "critic/values/mean": all_sum((values * response_mask).sum().item(), device=device)[0] / max(n_tokens, 1),
+            "critic/returns/mean": all_sum((returns * response_mask).sum().item(), device=device)[0]
+            / max(n_tokens, 1),
+            "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
+            "response_length/clip_ratio": float(np.mean([s.finish_reason == "length" for g in groups
+                                                         for s in g["samples"]])),
+            "response_length/empty": float((lengths == 0).sum().item()),
+            "prompt_length/mean": prompt_tokens / len(lengths),
+            "critic/score_flexible/mean": float(np.nanmean([f for g in groups for f in g["flexible"]]))
+            if any(g["example"].data_source in reward.SCORERS for g in groups) else float("nan"),
+            "rollout/logprob_gap_mean": logprob_gap(old_log_probs, rollout_log_probs, response_mask),
+            "reward/errors": float(n_errors),
+            "perf/throughput": (prompt_tokens + lengths.sum().item()) / t["timing_s/step"] / world,
+            "perf/gen_tokens_per_s": lengths.sum().item() / t["timing_s/gen"],
+            "perf/max_memory_allocated_gb": max([v for k, v in t.items() if k.startswith("perf/max_memory")],
+                                                default=0.0),
+            "training/global_step": step, "training/epoch": epoch,
+        } | t
+        if "timing_s/update_actor" in t:  # not during the critic's warm-up
+            metrics["perf/mfu/actor"] = (3 * args.ppo_epochs * fpt * (prompt_tokens + lengths.sum().item())
+                                         / t["timing_s/update_actor"] / peak_flops)
+        for key in {k for g in groups for k in g["extras"]}:
+            metrics[f"critic/score/{key}/mean"] = float(np.mean([x for g in groups for x in g["extras"].get(key, [])]))
+        last_step = step == total_steps
+        if val is not None and args.test_freq > 0 and (step % args.test_freq == 0 or last_step):
+            with Timer(metrics, device)("testing"):
+                metrics |= validate(engine, val, args, tokenizer, reward_fn)
+        if (args.save_freq > 0 and step % args.save_freq == 0) or last_step:
+            with Timer(metrics, device)("save_checkpoint"):
+                sharding.save_checkpoint(args.default_local_dir, step, models, optimizers, schedulers,
+                                         {"epoch": epoch, "batch_idx": batch_idx, "kl_coef": kl_ctrl.value},
+                                         keep_last=args.keep_last_checkpoints)
+        logger.log(metrics, step)
+        bar.update(1)
+    bar.close()
+    if args.export_final:
+        path = sharding.export_hf(os.path.join(args.default_local_dir, "hf_model"), actor, tokenizer)
+        if rank == 0:
+            print(f"done: {step} steps; metrics {logger.path}; checkpoints {args.default_local_dir}; "
+                  f"final policy (Hugging Face format) {path}", flush=True)
+    return metrics
+
+
+def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advantages, response_mask, args, step,
+                 device):
+    """PPO-style update of the policy on a rank's share of the batch; returns actor/* metrics."""
+    world = dist.get_world_size()
+    mini = args.ppo_mini_batch_size * args.rollout_n // world  # sequences per rank per optimizer step
+    micro, seqs = args.ppo_micro_batch_size_per_gpu, args.ppo_mini_batch_size * args.rollout_n
+    sums = dict(pg_loss=0.0, kl_loss=0.0, entropy=0.0, pg_clipfrac=0.0, pg_clipfrac_lower=0.0, ppo_kl=0.0)
+    grad_norms, n_updates = [], 0
+    for _ in range(args.ppo_epochs):
+        for start in range(0, len(samples), mini):
+            tokens = all_sum(response_mask[start:start + mini].sum().item(), device=device)[0]
+            for i in range(start, start + mini, micro):
+                mb = slice(i, i + micro)
+                log_probs, entropy = forward_log_probs(actor, samples[mb], args.temperature, args.use_remove_padding,
+                                                       with_entropy=True, entropy_grad=args.entropy_coeff != 0)
+                Tm = log_probs.shape[1]
+                mask, adv, old = response_mask[mb, :Tm], advantages[mb, :Tm], old_log_probs[mb, :Tm]
+                agg = dict(response_mask=mask, mode=args.loss_agg_mode, num_tokens=tokens, num_seqs=seqs,
+                           max_response_length=args.max_response_length)
+                pg_losses, stats = compute_policy_loss(old, log_probs, adv, mask, args.clip_ratio_low,
+                                                       args.clip_ratio_high, args.clip_ratio_c)
+                pg_loss = agg_loss(pg_losses, **agg)
+                entropy_loss = agg_loss(entropy, **agg)
+                loss = pg_loss - args.entropy_coeff * entropy_loss if args.entropy_coeff else pg_loss
+                if ref_log_probs is not None:
+                    kl_loss = agg_loss(kl_penalty(log_probs, ref_log_probs[mb, :Tm], args.kl_loss_type), **agg)
+                    loss = loss + args.kl_loss_coef * kl_loss
+                    sums["kl_loss"] += kl_loss.item()
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"step {step}: non-finite loss {loss.item()}; stopping before the update "
+                                             "(the last checkpoint is untouched). Lower --actor_lr or check the data.")
+                # FSDP2 averages gradients over ranks; the loss is already a global mean, so undo that.
+                (loss * world).backward()
+                sums["pg_loss"] += pg_loss.item()
+                sums["entropy"] += entropy_loss.item()
+                for k, v in stats.items():
+                    sums[k] += v.item() / tokens
+            grad_norm = torch.nn.utils.clip_grad_norm_(actor.parameters(), args.grad_clip)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            if not torch.isfinite(grad_norm):
+                raise FloatingPointError(f"step {step}: non-finite gradient norm {grad_norm.item()}; stopping before "
+                                         "the update (the last checkpoint is untouched). Lower --actor_lr.")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            grad_norms.append(grad_norm.item())
+            n_updates += 1
+    totals = all_sum(*sums.values(), device=device)
+    metrics = {f"actor/{k}": v / n_updates for k, v in zip(sums, totals)}
+    metrics["actor/grad_norm"] = float(np.mean(grad_norms))
+    return metrics
+
+
+
+def update_critic(critic, optimizer, samples, values, returns, response_mask, args, step, device):
+    """Clipped value regression on a rank's share of the batch, over the actor's mini-batches; returns
+    critic/* metrics."""
+    world = dist.get_world_size()
+    mini = args.ppo_mini_batch_size * args.rollout_n // world  # sequences per rank per optimizer step
+    micro, seqs = args.critic_ppo_micro_batch_size_per_gpu, args.ppo_mini_batch_size * args.rollout_n
+    sums = dict(vf_loss=0.0, vf_clipfrac=0.0, vpred_mean=0.0)
+    grad_norms, n_updates = [], 0
+    for _ in range(args.ppo_epochs):
+        for start in range(0, len(samples), mini):
+            tokens = all_sum(response_mask[start:start + mini].sum().item(), device=device)[0]
+            for i in range(start, start + mini, micro):
+                mb = slice(i, i + micro)
+                vpreds = forward_values(critic, samples[mb], args.use_remove_padding)
+                Tm = vpreds.shape[1]
+                mask = response_mask[mb, :Tm]
+                vf_loss, stats = compute_value_loss(vpreds, values[mb, :Tm], returns[mb, :Tm], mask,
+                                                    args.cliprange_value, args.loss_agg_mode, tokens, seqs,
+                                                    args.max_response_length)
+                loss = args.vf_coef * vf_loss
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"step {step}: non-finite critic loss {loss.item()}; stopping before the "
+                                             "update (the last checkpoint is untouched). Lower --critic_lr.")
+                (loss * world).backward()  # FSDP2 averages gradients over ranks; the loss is a global mean
+                sums["vf_loss"] += vf_loss.item()
+                sums["vf_clipfrac"] += stats["vf_clipfrac"].item() / tokens
+                sums["vpred_mean"] += (vpreds.detach() * mask).sum().item() / tokens
+            grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.critic_grad_clip)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            if not torch.isfinite(grad_norm):
+                raise FloatingPointError(f"step {step}: non-finite critic gradient norm {grad_norm.item()}; "
+                                         "stopping before the update. Lower --critic_lr.")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            grad_norms.append(grad_norm.item())
+            n_updates += 1
+    totals = all_sum(*sums.values(), device=device)
+    metrics = {f"critic/{k}": v / n_updates for k, v in zip(sums, totals)}
+    metrics["critic/grad_norm"] = float(np.mean(grad_norms))
+    return metrics
+
+if __name__ == "__main__":
+    (parsed,) = HfArgumentParser(Args).parse_args_into_dataclasses()
+    try:
+        main(parsed)
+    finally:
+        # vLLM tears the process group down itself when its engine is collected; only then is it
+        # safe (and needed) to destroy it here.
+        if dist.is_initialized():
+            dist.barrier()
