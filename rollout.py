@@ -120,8 +120,8 @@ class VLLMEngine:
             # their own (per-request seeds cost one kernel launch per request per token). Seeding it
             # makes a step's samples a function of (weights, seed): a resumed run replays them.
             torch.manual_seed(seed)
-        if self.sleeping:
-            self.wake_up()
+        if self.sleeping:  # level 2 dropped the weights: generating now would sample from garbage
+            raise RuntimeError("VLLMEngine.generate while asleep: call update_weights() first")
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], params, use_tqdm=False)
         samples = [[Sample(token_ids=list(c.token_ids),
                            logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
@@ -136,6 +136,8 @@ class VLLMEngine:
             self.sleeping = True
 
     def wake_up(self) -> None:
+        """Re-allocate weights and KV cache. After a level-2 sleep the weights hold garbage until the
+        next `update_weights`, which wakes the engine itself: this is for measuring and tests."""
         if self.on_gpu and self.sleeping:
             self.llm.wake_up()
         self.sleeping = False
