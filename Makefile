@@ -4,9 +4,9 @@ PY      ?= .venv/bin/python  # on a prepared GPU machine: make test-gpu PY=pytho
 GPU     := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 REQ     := requirements-$(GPU).txt
 STAMP   := .venv/.installed-$(GPU)
-NPROC   ?= 2
+NPROC   ?= 1
 
-.PHONY: install test test-fast test-gpu bench bench-engine bench-reward demo plot lock-cpu data clean
+.PHONY: install test test-gpu bench bench-engine bench-reward demo plot lock-cpu data clean
 
 install: $(STAMP)
 
@@ -33,6 +33,14 @@ BENCH_OUT ?= bench_out
 bench-engine:
 	$(PY) bench/bench_engine.py --plain --out $(BENCH_OUT) $(ARGS)
 	$(PY) -m torch.distributed.run --nproc_per_node=1 bench/bench_engine.py --out $(BENCH_OUT) $(ARGS)
+
+# A few GRPO steps of the tutorial's shape on GPU, then the per-phase table (docs/benchmarks.md).
+MODEL ?= Qwen/Qwen2.5-0.5B-Instruct
+bench:
+	$(PY) -m torch.distributed.run --nproc_per_node=$(NPROC) train_grpo.py --model $(MODEL) \
+	  --total_training_steps 3 --val_before_train false --test_freq -1 --export_final false \
+	  --resume_mode disable --default_local_dir $(BENCH_OUT)/grpo $(ARGS)
+	$(PY) bench/phase_table.py $(BENCH_OUT)/grpo/metrics.jsonl
 
 bench-reward: install
 	$(PY) tests/bench_reward.py
