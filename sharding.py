@@ -170,7 +170,8 @@ def list_checkpoints(root: str) -> list[int]:
     if not os.path.isdir(root):
         return []
     steps = [_step_of(f) for f in os.listdir(root)]
-    return sorted(s for s in steps if s is not None and os.path.exists(os.path.join(root, f"global_step_{s}", "COMPLETE")))
+    done = lambda s: os.path.exists(os.path.join(root, f"global_step_{s}", "COMPLETE"))  # noqa: E731
+    return sorted(s for s in steps if s is not None and done(s))
 
 
 def latest_checkpoint(root: str) -> str | None:

@@ -536,6 +536,11 @@ def validate(engine, val, args, tokenizer, reward_fn, n=1, temperature=0.0):
 def main(args):
     rank, world, device = init_distributed()
     check_args(args, world)
+    if args.resume_mode == "disable" and sharding.list_checkpoints(args.default_local_dir):
+        # a fresh run there would interleave its checkpoints with the old ones (and prune its own)
+        raise SystemExit(f"{os.path.basename(__file__)}: {args.default_local_dir} holds checkpoints of an earlier "
+                         "run; continue it with --resume_mode auto, or choose another --default_local_dir / "
+                         "--experiment_name, or delete them")
     reward_fn = reward.load_reward_function(args.custom_reward_function_path, args.custom_reward_function_name)
     random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)  # same init on every rank
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -544,8 +549,8 @@ def main(args):
     val = load_rl_dataset(args.val_files.split(","), **data_kw) if args.test_freq > 0 or args.val_only else None
     train = None if args.val_only else load_rl_dataset(args.train_files.split(","), **data_kw)
     if train is not None and len(train) < args.train_batch_size:
-        raise SystemExit(f"{os.path.basename(__file__)}: {args.train_files} holds {len(train)} usable prompts, fewer than "
-                         f"--train_batch_size {args.train_batch_size}")
+        raise SystemExit(f"{os.path.basename(__file__)}: {args.train_files} holds {len(train)} usable prompts, "
+                         f"fewer than --train_batch_size {args.train_batch_size}")
     steps_per_epoch = len(train) // args.train_batch_size if train else 0
     total_steps = args.total_training_steps or steps_per_epoch * args.total_epochs
 
@@ -566,8 +571,9 @@ def main(args):
             print(f"resumed from {resume} (step {step})", flush=True)
     if step >= total_steps and not args.val_only:
         if rank == 0:
-            print(f"{os.path.basename(__file__)}: {resume} already finished {step} of {total_steps} steps; nothing to do. Raise "
-                  "--total_training_steps / --total_epochs to train on, or use --resume_mode disable to start over.")
+            print(f"{os.path.basename(__file__)}: {resume} already finished {step} of {total_steps} steps; nothing "
+                  "to do. Raise --total_training_steps / --total_epochs to train on, or use --resume_mode disable "
+                  "to start over.")
         return
     engine = make_engine(args.rollout_engine, args.model, tensor_parallel_size=args.tensor_model_parallel_size,
                          gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,

@@ -206,3 +206,12 @@ def test_bad_input_fails_at_start_up(case, assets):
         assert text in proc.output, proc.output[-3000:]
     assert "Loading weights" not in proc.output  # failed before any model loaded
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_a_fresh_run_refuses_a_folder_with_checkpoints(assets, hf_run):
+    before = sorted(os.listdir(hf_run))
+    proc = launch(flags(assets, hf_run, "hf", 2, "disable"), nproc=0, timeout=120)
+    assert proc.returncode != 0
+    assert "holds checkpoints of an earlier run" in proc.output and "--resume_mode auto" in proc.output
+    assert "Loading weights" not in proc.output
+    assert sorted(os.listdir(hf_run)) == before
