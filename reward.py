@@ -49,9 +49,18 @@ def gsm8k_score(solution_str, ground_truth, method="strict"):
     return 1.0 if answer is not None and answer == ground_truth else 0.0
 
 
+def arith_score(solution_str, ground_truth, method="strict"):
+    """data/arith.py. strict: 1.0 if the response's first integer is ground_truth (for 85: "85", "85, since"
+    and "sum: 85" score, "75", "850" and "47+38=85" do not); flexible: if any integer in it is."""
+    numbers = re.findall(r"-?[0-9]+", solution_str)
+    candidates = numbers[:1] if method == "strict" else numbers
+    return 1.0 if ground_truth in candidates else 0.0
+
+
 # data_source -> scorer(solution_str, ground_truth, method) -> float. A new data set adds one line.
 SCORERS = {
     "openai/gsm8k": gsm8k_score,
+    "arith": arith_score,
 }
 
 

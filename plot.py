@@ -1,0 +1,152 @@
+"""Draw one or more runs' metrics.jsonl as one PNG: python plot.py RUN [RUN ...] [--out FILE.png]
+
+RUN is a run folder (the trainer's --default_local_dir, holding metrics.jsonl) or a .jsonl file;
+runs are named by their folder in the legend. Panels, against the step: the training score
+(critic/score/mean), validation (val-core/<data_source>/reward/mean@1, dashed: reward_flexible),
+response length, the KL term (actor/kl_loss, or actor/reward_kl_penalty when the KL is in the
+reward) and the policy's entropy; and where each step's time goes (timing_s/gen, old_log_prob,
+ref, values, adv, update_critic, update_actor, update_weights) as stacked bars: one bar per step
+for one run, the mean step of each run for several. Metrics a run does not log (GRPO has no
+critic) are left out.
+"""
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+PHASES = ["gen", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights"]
+LINE_PANELS = [  # (title, candidate keys: the first one a run logs is drawn)
+    ("training score (critic/score/mean)", ["critic/score/mean"]),
+    ("response length (tokens)", ["response_length/mean"]),
+    ("KL to the reference", ["actor/kl_loss", "actor/reward_kl_penalty"]),
+    ("entropy (actor/entropy)", ["actor/entropy"]),
+]
+
+
+def load_run(path):
+    """(name, {step: metrics}) of a run folder or a metrics.jsonl file; later lines win on a repeated step."""
+    path = Path(path)
+    file = path / "metrics.jsonl" if path.is_dir() else path
+    if not file.is_file():
+        raise SystemExit(f"plot.py: no metrics.jsonl at {file}")
+    rows = {}
+    with open(file) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                rows.setdefault(row["step"], {}).update(row)
+    name = path.name if path.is_dir() else (file.parent.name if file.name == "metrics.jsonl" else file.stem)
+    return name, rows
+
+
+def series(rows, key):
+    """Steps and values of one metric, skipping steps that lack it or hold nan."""
+    points = [(s, r[key]) for s, r in sorted(rows.items())
+              if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def draw_lines(ax, runs, title, keys, colors):
+    drawn = False
+    for (name, rows), color in zip(runs, colors):
+        for key in keys:
+            steps, values = series(rows, key)
+            if steps:
+                ax.plot(steps, values, color=color, marker="." if len(steps) < 30 else None, label=name)
+                drawn = True
+                break
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("step")
+    if not drawn:
+        ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def draw_validation(ax, runs, colors):
+    drawn = False
+    for (name, rows), color in zip(runs, colors):
+        keys = sorted({k for r in rows.values() for k in r if k.startswith("val-core/") and k.endswith("/mean@1")})
+        for key in keys:
+            steps, values = series(rows, key)
+            flexible = "/reward_flexible/" in key
+            source = key.split("/")[1:-2]
+            label = ("/".join(source) if len(runs) == 1 else f"{name} {'/'.join(source)}") + (
+                " (flexible)" if flexible else "")
+            ax.plot(steps, values, color=color, linestyle="--" if flexible else "-", marker="o", markersize=3,
+                    label=label)
+            drawn = True
+    ax.set_title("validation, greedy (val-core/*/reward/mean@1)", fontsize=10)
+    ax.set_xlabel("step")
+    if drawn:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def draw_timing(ax, runs):
+    """Stacked seconds per phase: per step for one run, the mean step of each run for several."""
+    cmap = plt.get_cmap("tab10")
+    if len(runs) == 1:
+        rows = runs[0][1]
+        steps = [s for s, r in sorted(rows.items()) if "timing_s/step" in r]
+        bars = {p: [rows[s].get(f"timing_s/{p}", 0.0) for s in steps] for p in PHASES}
+        x, labels = steps, None
+        ax.set_xlabel("step")
+    else:
+        bars = {}
+        for p in PHASES:
+            bars[p] = []
+            for _, rows in runs:
+                timed = [r for r in rows.values() if "timing_s/step" in r]
+                bars[p].append(sum(r.get(f"timing_s/{p}", 0.0) for r in timed) / max(1, len(timed)))
+        x, labels = list(range(len(runs))), [name for name, _ in runs]
+    bottom = [0.0] * len(x)
+    for i, p in enumerate(PHASES):
+        if any(bars[p]):  # a phase this algorithm does not have (GRPO: values, update_critic) is left out
+            ax.bar(x, bars[p], bottom=bottom, color=cmap(i), label=p)
+            bottom = [b + v for b, v in zip(bottom, bars[p])]
+    if labels:
+        ax.set_xticks(x, labels, rotation=15, fontsize=8)
+    ax.set_title("time per step (s), by phase" + (" (mean step)" if labels else ""), fontsize=10)
+    if any(bottom):
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def plot(paths, out):
+    runs = [load_run(p) for p in paths]
+    colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(runs))]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    axes = axes.ravel()
+    draw_lines(axes[0], runs, *LINE_PANELS[0], colors)
+    draw_validation(axes[1], runs, colors)
+    for ax, (title, keys) in zip(axes[2:5], LINE_PANELS[1:]):
+        draw_lines(ax, runs, title, keys, colors)
+    draw_timing(axes[5], runs)
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="upper center", ncol=min(len(runs), 6), fontsize=9)
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    for ax in axes[:5]:
+        ax.grid(alpha=0.3)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="run folders (holding metrics.jsonl) or .jsonl files")
+    parser.add_argument("--out", default="metrics.png", help="the PNG to write")
+    cli = parser.parse_args()
+    print(f"wrote {plot(cli.runs, cli.out)}")

@@ -1,0 +1,48 @@
+"""plot.py draws a GRPO run and a PPO run (with the critic's metrics, without validation on one
+step) on one figure, and one run alone; it writes a non-empty PNG either way."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import plot
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_run(folder, steps, critic):
+    folder.mkdir(parents=True)
+    rows = [{"step": 0, "val-core/arith/reward/mean@1": 0.1, "val-core/arith/reward_flexible/mean@1": 0.2}]
+    for s in range(1, steps + 1):
+        row = {"step": s, "critic/score/mean": 0.1 * s, "response_length/mean": 4.0, "actor/entropy": 0.5 / s,
+               "timing_s/gen": 1.0, "timing_s/old_log_prob": 0.5, "timing_s/adv": 0.01,
+               "timing_s/update_actor": 2.0, "timing_s/update_weights": 0.1, "timing_s/step": 3.7,
+               "critic/score_flexible/mean": float("nan")}
+        if critic:  # PPO: a critic, KL in the reward
+            row |= {"timing_s/values": 0.4, "timing_s/update_critic": 1.0, "actor/reward_kl_penalty": 0.01 * s}
+        else:
+            row |= {"timing_s/ref": 0.5, "actor/kl_loss": 0.001 * s}
+        if s == steps:
+            row["val-core/arith/reward/mean@1"] = 0.5
+        rows.append(row)
+    with open(folder / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)  # nan is written as NaN, as the trainer does
+    return folder
+
+
+def test_two_runs_on_one_figure(tmp_path):
+    grpo = write_run(tmp_path / "grpo_run", 5, critic=False)
+    ppo = write_run(tmp_path / "ppo_run", 3, critic=True)
+    out = tmp_path / "figs" / "both.png"
+    assert plot.plot([grpo, ppo / "metrics.jsonl"], out) == out
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert [plot.load_run(p)[0] for p in (grpo, ppo / "metrics.jsonl")] == ["grpo_run", "ppo_run"]
+
+
+def test_command_line_one_run(tmp_path):
+    run = write_run(tmp_path / "run", 2, critic=False)
+    proc = subprocess.run([sys.executable, "plot.py", str(run), "--out", str(tmp_path / "one.png")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "one.png").stat().st_size > 10_000
