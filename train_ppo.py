@@ -909,6 +909,19 @@ def main(args):
     return metrics
 
 
+def clip_and_step(model, optimizer, max_norm, step, lr_flag):
+    """Clip the global gradient norm and step; a non-finite norm stops the run before the update, so
+    the last checkpoint stays the last good state. Returns the norm before clipping."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    if not torch.isfinite(grad_norm):
+        raise FloatingPointError(f"step {step}: non-finite gradient norm {grad_norm.item()}; stopping before the "
+                                 f"update (the last checkpoint is untouched). Lower {lr_flag}.")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.item()
+
+
 def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advantages, response_mask, args, step,
                  device):
     """PPO-style update of the policy on a rank's share of the batch; returns actor/* metrics."""
@@ -946,20 +959,12 @@ def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advant
                 sums["entropy"] += entropy_loss.item()
                 for k, v in stats.items():
                     sums[k] += v.item() / tokens
-            grad_norm = torch.nn.utils.clip_grad_norm_(actor.parameters(), args.grad_clip)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            if not torch.isfinite(grad_norm):
-                raise FloatingPointError(f"step {step}: non-finite gradient norm {grad_norm.item()}; stopping before "
-                                         "the update (the last checkpoint is untouched). Lower --actor_lr.")
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            grad_norms.append(grad_norm.item())
+            grad_norms.append(clip_and_step(actor, optimizer, args.grad_clip, step, "--actor_lr"))
             n_updates += 1
     totals = all_sum(*sums.values(), device=device)
     metrics = {f"actor/{k}": v / n_updates for k, v in zip(sums, totals)}
     metrics["actor/grad_norm"] = float(np.mean(grad_norms))
     return metrics
-
 
 
 def update_critic(critic, optimizer, samples, values, returns, response_mask, args, step, device):
@@ -989,19 +994,13 @@ def update_critic(critic, optimizer, samples, values, returns, response_mask, ar
                 sums["vf_loss"] += vf_loss.item()
                 sums["vf_clipfrac"] += stats["vf_clipfrac"].item() / tokens
                 sums["vpred_mean"] += (vpreds.detach() * mask).sum().item() / tokens
-            grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.critic_grad_clip)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            if not torch.isfinite(grad_norm):
-                raise FloatingPointError(f"step {step}: non-finite critic gradient norm {grad_norm.item()}; "
-                                         "stopping before the update. Lower --critic_lr.")
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            grad_norms.append(grad_norm.item())
+            grad_norms.append(clip_and_step(critic, optimizer, args.critic_grad_clip, step, "--critic_lr"))
             n_updates += 1
     totals = all_sum(*sums.values(), device=device)
     metrics = {f"critic/{k}": v / n_updates for k, v in zip(sums, totals)}
     metrics["critic/grad_norm"] = float(np.mean(grad_norms))
     return metrics
+
 
 if __name__ == "__main__":
     (parsed,) = HfArgumentParser(Args).parse_args_into_dataclasses()

@@ -433,3 +433,24 @@ def test_update_actor_gradient_does_not_depend_on_micro_batch_size(model, monkey
         # abs: ppo_kl sums log-ratios of both signs, so its float noise is large relative to the sum
         assert metrics1[k] == pytest.approx(metrics2[k], rel=1e-5, abs=1e-6), k
     assert metrics1["actor/grad_norm"] > 0 and metrics1["actor/kl_loss"] > 0
+
+
+def test_a_non_finite_gradient_stops_before_the_update():
+    model = torch.nn.Linear(3, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    (model(torch.ones(1, 3)) * float("nan")).sum().backward()
+    with pytest.raises(FloatingPointError, match="step 7: non-finite gradient norm.*--actor_lr"):
+        train_grpo.clip_and_step(model, optimizer, 1.0, 7, "--actor_lr")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no update happened
+
+
+def test_clip_and_step_clips_and_steps():
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, 1.0]]))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(torch.tensor([[3.0, 4.0]])).sum().backward()  # grad (3, 4): norm 5 -> clipped to (0.6, 0.8)
+    assert train_grpo.clip_and_step(model, optimizer, 1.0, 1, "--actor_lr") == pytest.approx(5.0)
+    assert torch.allclose(model.weight, torch.tensor([[0.4, 0.2]]))  # 1 - 0.6, 1 - 0.8
+    assert model.weight.grad is None  # zeroed for the next mini-batch
