@@ -24,7 +24,7 @@ from train_grpo import (
     kl_penalty,
     lr_lambda,
 )
-from tests.tiny_model import tiny_config
+from tests.tiny_model import LENGTHS, GradRecorder, make_samples, tiny_config
 
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -322,16 +322,6 @@ def model():
     return model
 
 
-def make_samples(lengths, seed=0):
-    """(prompt_ids, response_ids) pairs of the given (prompt, response) lengths, random byte tokens."""
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 256, (p,), generator=g).tolist(), torch.randint(0, 256, (r,), generator=g).tolist())
-            for p, r in lengths]
-
-
-LENGTHS = [(5, 3), (9, 6), (3, 1), (7, 4)]  # N = 4 sequences, T = 6
-
-
 @torch.no_grad()
 def test_packed_log_probs_equal_padded_and_a_loop(model):
     samples = make_samples(LENGTHS)
@@ -388,19 +378,6 @@ def test_micro_batching_leaves_the_gradient_unchanged(model, mode, packed):
         split = accumulated_grads(model, samples, micro, *args)
         for name in whole:
             torch.testing.assert_close(split[name], whole[name], atol=1e-5, rtol=1e-5, msg=name)
-
-
-class GradRecorder:
-    """An optimizer stand-in: records the gradient of each step instead of taking it."""
-
-    def __init__(self, model):
-        self.model, self.steps = model, []
-
-    def step(self):
-        self.steps.append({n: p.grad.clone() for n, p in self.model.named_parameters()})
-
-    def zero_grad(self, set_to_none=True):
-        self.model.zero_grad(set_to_none=set_to_none)
 
 
 def test_update_actor_gradient_does_not_depend_on_micro_batch_size(model, monkeypatch):

@@ -6,7 +6,6 @@ critic's gradient unchanged.
 Shapes as in train_ppo.py: N sequences, T response tokens.
 """
 
-import random
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from train_ppo import (
     explained_variance,
     forward_values,
 )
-from tests.tiny_model import tiny_config
+from tests.tiny_model import LENGTHS, GradRecorder, make_samples, tiny_config
 
 
 def close(actual, expected, atol=1e-5):
@@ -262,14 +261,6 @@ def critic():
     return model
 
 
-def make_samples(lengths, seed=0):
-    rng = random.Random(seed)
-    return [([rng.randrange(256) for _ in range(p)], [rng.randrange(256) for _ in range(r)]) for p, r in lengths]
-
-
-LENGTHS = [(5, 3), (9, 6), (3, 1), (7, 4)]  # N = 4 sequences, T = 6
-
-
 @torch.no_grad()
 def test_packed_values_equal_padded_and_a_loop(critic):
     samples = make_samples(LENGTHS)
@@ -285,19 +276,6 @@ def test_packed_values_equal_padded_and_a_loop(critic):
         close(packed[i, :len(r)], expected)
     # batched_values pads every micro-batch to the batch's T
     close(train_ppo.batched_values(critic, samples, 3, True, 6), packed)
-
-
-class GradRecorder:
-    """Stands in for the optimizer: records the accumulated gradient at each step."""
-
-    def __init__(self, model):
-        self.model, self.steps = model, []
-
-    def step(self):
-        self.steps.append({n: p.grad.clone() for n, p in self.model.named_parameters()})
-
-    def zero_grad(self, set_to_none=True):
-        self.model.zero_grad(set_to_none=set_to_none)
 
 
 def test_update_critic_gradient_does_not_depend_on_micro_batch_size(critic, monkeypatch):

@@ -40,3 +40,26 @@ def make_tiny_model(path: str, arch: str = "qwen2", tie: bool = True, seed: int 
     make_tiny_tokenizer().save_pretrained(tmp)
     os.replace(tmp, path)
     return path
+
+
+def make_samples(lengths, seed=0):
+    """(prompt_ids, response_ids) pairs of the given (prompt, response) lengths, random byte tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 256, (p,), generator=g).tolist(), torch.randint(0, 256, (r,), generator=g).tolist())
+            for p, r in lengths]
+
+
+LENGTHS = [(5, 3), (9, 6), (3, 1), (7, 4)]  # N = 4 sequences, T = 6
+
+
+class GradRecorder:
+    """An optimizer stand-in: records the accumulated gradient at each step instead of taking it."""
+
+    def __init__(self, model):
+        self.model, self.steps = model, []
+
+    def step(self):
+        self.steps.append({n: p.grad.clone() for n, p in self.model.named_parameters()})
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
