@@ -395,16 +395,11 @@ def check_args(args, world_size):
     need(args.rollout_n > 1, "--rollout_n must be > 1: GRPO compares responses within a group")
     need(args.train_batch_size % world_size == 0,
          f"--train_batch_size {args.train_batch_size} must be divisible by the number of GPUs {world_size}")
-    need(args.train_batch_size % args.ppo_mini_batch_size == 0,
-         f"--train_batch_size {args.train_batch_size} must be divisible by --ppo_mini_batch_size "
-         f"{args.ppo_mini_batch_size}")
+    need(args.ppo_mini_batch_size <= args.train_batch_size,
+         f"--ppo_mini_batch_size {args.ppo_mini_batch_size} must not exceed --train_batch_size {args.train_batch_size}")
     need(args.ppo_mini_batch_size * args.rollout_n % world_size == 0,
          f"--ppo_mini_batch_size x --rollout_n ({args.ppo_mini_batch_size * args.rollout_n}) must be divisible by "
          f"the number of GPUs {world_size}")
-    per_gpu = args.ppo_mini_batch_size * args.rollout_n // world_size
-    need(per_gpu % args.ppo_micro_batch_size_per_gpu == 0,
-         f"a mini-batch holds {per_gpu} sequences per GPU (--ppo_mini_batch_size x --rollout_n / GPUs), not "
-         f"divisible by --ppo_micro_batch_size_per_gpu {args.ppo_micro_batch_size_per_gpu}")
     need(world_size % args.tensor_model_parallel_size == 0,
          f"--tensor_model_parallel_size {args.tensor_model_parallel_size} must divide the number of GPUs {world_size}")
     need(args.kl_loss_coef is None or args.use_kl_loss, "--kl_loss_coef is set but --use_kl_loss is false")
@@ -751,14 +746,16 @@ def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advant
     """PPO-style update of the policy on a rank's share of the batch; returns actor/* metrics."""
     world = dist.get_world_size()
     mini = args.ppo_mini_batch_size * args.rollout_n // world  # sequences per rank per optimizer step
-    micro, seqs = args.ppo_micro_batch_size_per_gpu, args.ppo_mini_batch_size * args.rollout_n
+    micro = args.ppo_micro_batch_size_per_gpu
     sums = dict(pg_loss=0.0, kl_loss=0.0, entropy=0.0, pg_clipfrac=0.0, pg_clipfrac_lower=0.0, ppo_kl=0.0)
     grad_norms, n_updates = [], 0
     for _ in range(args.ppo_epochs):
         for start in range(0, len(samples), mini):
-            tokens = all_sum(response_mask[start:start + mini].sum().item(), device=device)[0]
-            for i in range(start, start + mini, micro):
-                mb = slice(i, i + micro)
+            stop = min(start + mini, len(samples))  # the last mini-batch may be smaller, as in verl
+            tokens = all_sum(response_mask[start:stop].sum().item(), device=device)[0]
+            seqs = (stop - start) * world
+            for i in range(start, stop, micro):
+                mb = slice(i, min(i + micro, stop))
                 log_probs, entropy = forward_log_probs(actor, samples[mb], args.temperature, args.use_remove_padding,
                                                        with_entropy=True, entropy_grad=args.entropy_coeff != 0)
                 Tm = log_probs.shape[1]

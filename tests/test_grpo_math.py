@@ -278,6 +278,12 @@ def good_args(**kw):
                           default_local_dir="/tmp/unused"), **kw})
 
 
+def test_check_args_accepts_the_qwen3_tutorial_shape():
+    # 1024 prompts in mini-batches of 80 (the last one 64), micro-batches of 20: verl runs it as is
+    check_args(good_args(train_batch_size=1024, rollout_n=3, ppo_mini_batch_size=80, ppo_micro_batch_size_per_gpu=20),
+               world_size=1)
+
+
 def test_check_args_accepts_a_good_config_and_fills_defaults():
     args = good_args()
     check_args(args, world_size=2)
@@ -287,8 +293,8 @@ def test_check_args_accepts_a_good_config_and_fills_defaults():
 @pytest.mark.parametrize("kw, world, flag", [
     (dict(rollout_n=1), 2, "--rollout_n"),
     (dict(train_batch_size=6), 4, "--train_batch_size 6 must be divisible by the number of GPUs 4"),
-    (dict(train_batch_size=6, ppo_mini_batch_size=4), 2, "--ppo_mini_batch_size"),
-    (dict(ppo_micro_batch_size_per_gpu=3), 2, "--ppo_micro_batch_size_per_gpu 3"),
+    (dict(ppo_mini_batch_size=16), 2, "--ppo_mini_batch_size 16 must not exceed --train_batch_size 8"),
+    (dict(ppo_mini_batch_size=3, rollout_n=3), 2, "--ppo_mini_batch_size x --rollout_n"),
     (dict(use_kl_loss=False, kl_loss_coef=0.01), 2, "--kl_loss_coef is set but --use_kl_loss is false"),
     (dict(kl_coef=0.01), 2, "--kl_coef is set but --use_kl_in_reward is false"),
     (dict(rollout_engine="sglang"), 2, "--rollout_engine"),
@@ -431,3 +437,31 @@ def test_clip_and_step_clips_and_steps():
     assert train_grpo.clip_and_step(model, optimizer, 1.0, 1, "--actor_lr") == pytest.approx(5.0)
     assert torch.allclose(model.weight, torch.tensor([[0.4, 0.2]]))  # 1 - 0.6, 1 - 0.8
     assert model.weight.grad is None  # zeroed for the next mini-batch
+
+
+def test_a_last_partial_mini_batch_is_its_own_global_mean(model, monkeypatch):
+    # 3 prompts x n = 2 = 6 sequences in mini-batches of 2 prompts: 4 + 2 sequences, micro-batches of 3
+    # (3 + 1, then 2). Each optimizer step must see the gradient of its own mini-batch alone.
+    monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
+    samples = make_samples(LENGTHS + [(4, 5), (6, 2)], seed=5)
+    with torch.no_grad():
+        log_probs, _ = forward_log_probs(model, samples, 1.0, True, with_entropy=False)
+    mask = train_grpo.response_targets(samples, 6, "cpu")[1]
+    old_log_probs = log_probs + 0.1 * mask
+    advantages = compute_grpo_outcome_advantage(torch.tensor([1.0, 0.0, 0.2, 0.7, 0.0, 1.0]), mask, n=2)
+
+    def grads(rows, prompts, mini, micro):
+        args = Args(rollout_n=2, train_batch_size=prompts, ppo_mini_batch_size=mini, ppo_micro_batch_size_per_gpu=micro,
+                    grad_clip=1e9, loss_agg_mode="seq-mean-token-mean")
+        recorder = GradRecorder(model)
+        model.zero_grad(set_to_none=True)
+        train_grpo.update_actor(model, recorder, [samples[i] for i in rows], old_log_probs[rows], None,
+                                advantages[rows], mask[rows], args, step=1, device=torch.device("cpu"))
+        return recorder.steps
+
+    partial = grads(list(range(6)), 3, 2, 3)
+    assert len(partial) == 2
+    first, last = grads([0, 1, 2, 3], 2, 2, 4), grads([4, 5], 1, 1, 2)
+    for got, want in ((partial[0], first[0]), (partial[1], last[0])):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)

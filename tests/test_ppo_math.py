@@ -225,8 +225,7 @@ def good_args(**kw):
 
 
 @pytest.mark.parametrize("kw, flag", [
-    (dict(critic_ppo_micro_batch_size_per_gpu=3), "--critic_ppo_micro_batch_size_per_gpu 3"),
-    (dict(ppo_micro_batch_size_per_gpu=3), "--ppo_micro_batch_size_per_gpu 3"),
+    (dict(ppo_mini_batch_size=16), "--ppo_mini_batch_size 16 must not exceed --train_batch_size 8"),
     (dict(kl_ctrl_type="pid"), "--kl_ctrl_type"),
     (dict(kl_penalty="k4"), "--kl_penalty"),
     (dict(use_kl_in_reward=False, kl_coef=0.01), "--kl_coef is set but --use_kl_in_reward is false"),
