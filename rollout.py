@@ -29,7 +29,8 @@ class Sample:
     """One generated response."""
 
     token_ids: list[int]  # response tokens, without the prompt
-    logprobs: list[float]  # log-prob of each token as sampled: log_softmax(logits / T), raw logits if greedy
+    logprobs: list[float] | None  # log-prob of each token as sampled: log_softmax(logits / T) (raw logits if
+    # greedy); None when not asked for (vLLM builds a Python object per token for them: it costs throughput)
     finish_reason: str  # "stop" (EOS or a stop token) or "length" (hit max_tokens)
 
 
@@ -104,17 +105,20 @@ class VLLMEngine:
 
     def generate(self, prompt_token_ids: list[list[int]], *, n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, max_tokens: int = 512, seed: int | None = None,
-                 stop_token_ids: list[int] | None = None) -> list[list[Sample]]:
-        """Sample `n` responses per prompt; returns one list of `Sample`s per prompt."""
+                 stop_token_ids: list[int] | None = None, logprobs: bool | list[bool] = True) -> list[list[Sample]]:
+        """Sample `n` responses per prompt; returns one list of `Sample`s per prompt. `logprobs`, for all
+        prompts or per prompt, asks for the engine's log-prob of each sampled token."""
         from vllm import SamplingParams
 
         # vLLM refuses n > 1 with greedy decoding; repeat the prompts instead.
         repeat, n = (n, 1) if temperature == 0 else (1, n)
+        wanted = logprobs if isinstance(logprobs, list) else [logprobs] * len(prompt_token_ids)
         prompt_token_ids = [ids for ids in prompt_token_ids for _ in range(repeat)]
-        params = SamplingParams(
-            n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0, max_tokens=max_tokens,
-            logprobs=0, detokenize=False, stop_token_ids=stop_token_ids,
-        )
+        wanted = [w for w in wanted for _ in range(repeat)]
+        kinds = {w: SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
+                                   max_tokens=max_tokens, logprobs=0 if w else None, detokenize=False,
+                                   stop_token_ids=stop_token_ids) for w in (False, True)}
+        params = [kinds[bool(w)] for w in wanted]
         if seed is not None:
             # vLLM samples from the process's global torch generator when requests carry no seed of
             # their own (per-request seeds cost one kernel launch per request per token). Seeding it
@@ -124,7 +128,7 @@ class VLLMEngine:
             raise RuntimeError("VLLMEngine.generate while asleep: call update_weights() first")
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], params, use_tqdm=False)
         samples = [[Sample(token_ids=list(c.token_ids),
-                           logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                           logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else None,
                            finish_reason="length" if c.finish_reason == "length" else "stop")
                     for c in out.outputs] for out in outputs]
         return [sum(samples[i:i + repeat], []) for i in range(0, len(samples), repeat)]
@@ -187,7 +191,8 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], *, n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = -1, max_tokens: int = 512, seed: int | None = None,
-                 stop_token_ids: list[int] | None = None) -> list[list[Sample]]:
+                 stop_token_ids: list[int] | None = None, logprobs: bool | list[bool] = True) -> list[list[Sample]]:
+        """As VLLMEngine.generate; log-probs cost nothing extra here, so they are always returned."""
         cfg = self.model.generation_config
         eos = set(stop_token_ids or []) | set(_as_list(cfg.eos_token_id))
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else next(iter(eos), 0)

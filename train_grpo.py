@@ -53,6 +53,8 @@ class Args:
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})
     top_k: int = field(default=-1, metadata={"help": "-1 = off"})
     tensor_model_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM replica"})
+    logprob_check_prompts: int = field(default=8, metadata={
+        "help": "prompts per GPU per step whose engine log-probs are checked (rollout/logprob_gap_mean); -1: all"})
     gpu_memory_utilization: float = field(default=0.6, metadata={"help": "vLLM's share of GPU memory while awake"})
     # actor update
     ppo_mini_batch_size: int = field(default=64, metadata={"help": "prompts per optimizer step (x rollout_n inside)"})
@@ -479,8 +481,10 @@ def rollout(engine, examples, args, tokenizer, reward_fn, seed, n, temperature):
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     mine, my_slice = group_share(examples, rank, world, engine.tp)
+    per_rank, k = len(examples) // world, args.logprob_check_prompts
+    check = [k < 0 or i % per_rank < k for i in range(len(mine))]  # the first k prompts of each rank's share
     outs = engine.generate([e.prompt_ids for e in mine], n=n, temperature=temperature, top_p=args.top_p,
-                           top_k=args.top_k, max_tokens=args.max_response_length, seed=seed)
+                           top_k=args.top_k, max_tokens=args.max_response_length, seed=seed, logprobs=check)
     mine, outs = mine[my_slice], outs[my_slice]
     texts = tokenizer.batch_decode([s.token_ids for out in outs for s in out], skip_special_tokens=True)
     sources = [e.data_source for e in mine for _ in range(n)]
@@ -504,7 +508,7 @@ def validate(engine, val, args, tokenizer, reward_fn, n=1, temperature=0.0):
     examples = val.examples[:args.max_val_samples] if args.max_val_samples else val.examples
     share = examples[engine.dp_rank::engine.dp_size]
     outs = engine.generate([e.prompt_ids for e in share], n=n, temperature=temperature, top_p=1.0, top_k=-1,
-                           max_tokens=args.max_response_length, seed=args.seed)
+                           max_tokens=args.max_response_length, seed=args.seed, logprobs=False)
     texts = tokenizer.batch_decode([s.token_ids for out in outs for s in out], skip_special_tokens=True)
     rows = []
     for i, e in enumerate(share):
@@ -632,8 +636,11 @@ def main(args):
             samples = [(g["example"].prompt_ids, s.token_ids) for g in mine for s in g["samples"]]  # N/world
             T = max(max(len(r) for _, r in samples), 1)
             _, response_mask = response_targets(samples, T, device)  # (N/world, T)
+            # the engine's own log-probs of the sampled tokens, for the sync check (rows `checked`)
+            checked = [i for i, s in enumerate(s for g in mine for s in g["samples"]) if s.logprobs is not None]
             rollout_log_probs = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for g in mine
-                                              for s in g["samples"]], device=device)
+                                              for s in g["samples"] if s.logprobs is not None],
+                                             device=device).reshape(len(checked), T)
             scores = torch.tensor([s for g in mine for s in g["scores"]], device=device)  # (N/world,)
 
             # 3 old and reference log-probs, recomputed by the FSDP2 actor (the engine's are a check)
@@ -695,7 +702,8 @@ def main(args):
             "prompt_length/mean": prompt_tokens / len(lengths),
             "critic/score_flexible/mean": float(np.nanmean([f for g in groups for f in g["flexible"]]))
             if any(g["example"].data_source in reward.SCORERS for g in groups) else float("nan"),
-            "rollout/logprob_gap_mean": logprob_gap(old_log_probs, rollout_log_probs, response_mask),
+            "rollout/logprob_gap_mean": logprob_gap(old_log_probs[checked], rollout_log_probs,
+                                                    response_mask[checked]),
             "rollout/gen_rounds": float(rounds), "reward/errors": float(n_errors),
             "actor/lr": lr,
             "perf/throughput": (prompt_tokens + lengths.sum().item()) / t["timing_s/step"] / world,

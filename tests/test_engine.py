@@ -6,6 +6,7 @@ The two torchrun launches run once per session (~40 s together); their scripts r
 JSON files and the tests below assert on them, one property per test.
 """
 
+import gc
 import importlib.util
 import json
 import os
@@ -300,3 +301,21 @@ def test_export_hf_loads_in_transformers_and_vllm(dist_results):
     assert load["export_hf_greedy"]
     assert load["export_vllm_greedy"]
     assert load["export_bf16_dtype"] == "torch.bfloat16" and load["export_bf16_weights"]
+
+
+def test_vllm_log_probs_only_where_asked(tmp_path):
+    pytest.importorskip("vllm")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from tests.tiny_model import make_tiny_model
+    engine = rollout.VLLMEngine(make_tiny_model(str(tmp_path / "m")), dtype="float32", max_model_len=128,
+                                enforce_eager=True)
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
+    both = engine.generate(prompts, n=2, temperature=0, max_tokens=6)
+    some = engine.generate(prompts, n=2, temperature=0, max_tokens=6, logprobs=[True, False, True])
+    assert [[s.token_ids for s in o] for o in some] == [[s.token_ids for s in o] for o in both]
+    assert [[s.logprobs is None for s in o] for o in some] == [[False, False], [True, True], [False, False]]
+    assert some[0][0].logprobs == pytest.approx(both[0][0].logprobs, abs=1e-6)
+    none = engine.generate(prompts, temperature=1.0, max_tokens=6, logprobs=False, seed=0)
+    assert all(s.logprobs is None for o in none for s in o)
+    del engine  # vLLM tears down the process group it made for itself in this process
+    gc.collect()

@@ -78,6 +78,8 @@ def flags(assets, out_dir, engine, steps, resume="disable", *extra):
             "--ppo_micro_batch_size_per_gpu", "1", "--log_prob_micro_batch_size_per_gpu", "2",
             "--total_training_steps", str(steps), "--test_freq", "2", "--max_val_samples", "8",
             "--actor_lr", str(LR), "--lr_warmup_steps", "2", "--save_freq", "1", "--logger", "console,jsonl",
+            # 1 of each rank's 2 prompts gets the engine's log-probs: the sync check on a subset
+            "--logprob_check_prompts", "1",
             "--default_local_dir", str(out_dir), "--resume_mode", resume, *extra]
 
 
