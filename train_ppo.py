@@ -928,13 +928,16 @@ def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advant
     world = dist.get_world_size()
     mini = args.ppo_mini_batch_size * args.rollout_n // world  # sequences per rank per optimizer step
     micro = args.ppo_micro_batch_size_per_gpu
-    sums = dict(pg_loss=0.0, kl_loss=0.0, entropy=0.0, pg_clipfrac=0.0, pg_clipfrac_lower=0.0, ppo_kl=0.0)
+    # running sums stay on the device: an .item() per micro-batch would stall the GPU each time
+    sums = {k: torch.zeros((), device=device)
+            for k in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
     grad_norms, n_updates = [], 0
     for _ in range(args.ppo_epochs):
         for start in range(0, len(samples), mini):
             stop = min(start + mini, len(samples))  # the last mini-batch may be smaller, as in verl
             tokens = all_sum(response_mask[start:stop].sum().item(), device=device)[0]
             seqs = (stop - start) * world
+            mini_loss = torch.zeros((), device=device)
             for i in range(start, stop, micro):
                 mb = slice(i, min(i + micro, stop))
                 log_probs, entropy = forward_log_probs(actor, samples[mb], args.temperature, args.use_remove_padding,
@@ -951,19 +954,20 @@ def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advant
                 if ref_log_probs is not None:
                     kl_loss = agg_loss(kl_penalty(log_probs, ref_log_probs[mb, :Tm], args.kl_loss_type), **agg)
                     loss = loss + args.kl_loss_coef * kl_loss
-                    sums["kl_loss"] += kl_loss.item()
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"step {step}: non-finite loss {loss.item()}; stopping before the update "
-                                             "(the last checkpoint is untouched). Lower --actor_lr or check the data.")
+                    sums["kl_loss"] += kl_loss.detach()
                 # FSDP2 averages gradients over ranks; the loss is already a global mean, so undo that.
                 (loss * world).backward()
-                sums["pg_loss"] += pg_loss.item()
-                sums["entropy"] += entropy_loss.item()
+                mini_loss += loss.detach()
+                sums["pg_loss"] += pg_loss.detach()
+                sums["entropy"] += entropy_loss.detach()
                 for k, v in stats.items():
-                    sums[k] += v.item() / tokens
+                    sums[k] += v / tokens
+            if not torch.isfinite(mini_loss):
+                raise FloatingPointError(f"step {step}: non-finite loss {mini_loss.item()}; stopping before the update "
+                                         "(the last checkpoint is untouched). Lower --actor_lr or check the data.")
             grad_norms.append(clip_and_step(actor, optimizer, args.grad_clip, step, "--actor_lr"))
             n_updates += 1
-    totals = all_sum(*sums.values(), device=device)
+    totals = all_sum(*(v.item() for v in sums.values()), device=device)
     metrics = {f"actor/{k}": v / n_updates for k, v in zip(sums, totals)}
     metrics["actor/grad_norm"] = float(np.mean(grad_norms))
     return metrics
@@ -975,13 +979,14 @@ def update_critic(critic, optimizer, samples, values, returns, response_mask, ar
     world = dist.get_world_size()
     mini = args.ppo_mini_batch_size * args.rollout_n // world  # sequences per rank per optimizer step
     micro = args.critic_ppo_micro_batch_size_per_gpu
-    sums = dict(vf_loss=0.0, vf_clipfrac=0.0, vpred_mean=0.0)
+    sums = {k: torch.zeros((), device=device) for k in ("vf_loss", "vf_clipfrac", "vpred_mean")}  # on the device
     grad_norms, n_updates = [], 0
     for _ in range(args.ppo_epochs):
         for start in range(0, len(samples), mini):
             stop = min(start + mini, len(samples))  # the last mini-batch may be smaller, as in verl
             tokens = all_sum(response_mask[start:stop].sum().item(), device=device)[0]
             seqs = (stop - start) * world
+            mini_loss = torch.zeros((), device=device)
             for i in range(start, stop, micro):
                 mb = slice(i, min(i + micro, stop))
                 vpreds = forward_values(critic, samples[mb], args.use_remove_padding)
@@ -991,16 +996,17 @@ def update_critic(critic, optimizer, samples, values, returns, response_mask, ar
                                                     args.cliprange_value, args.loss_agg_mode, tokens, seqs,
                                                     args.max_response_length)
                 loss = args.vf_coef * vf_loss
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"step {step}: non-finite critic loss {loss.item()}; stopping before the "
-                                             "update (the last checkpoint is untouched). Lower --critic_lr.")
                 (loss * world).backward()  # FSDP2 averages gradients over ranks; the loss is a global mean
-                sums["vf_loss"] += vf_loss.item()
-                sums["vf_clipfrac"] += stats["vf_clipfrac"].item() / tokens
-                sums["vpred_mean"] += (vpreds.detach() * mask).sum().item() / tokens
+                mini_loss += loss.detach()
+                sums["vf_loss"] += vf_loss.detach()
+                sums["vf_clipfrac"] += stats["vf_clipfrac"] / tokens
+                sums["vpred_mean"] += (vpreds.detach() * mask).sum() / tokens
+            if not torch.isfinite(mini_loss):
+                raise FloatingPointError(f"step {step}: non-finite critic loss {mini_loss.item()}; stopping before the "
+                                         "update (the last checkpoint is untouched). Lower --critic_lr.")
             grad_norms.append(clip_and_step(critic, optimizer, args.critic_grad_clip, step, "--critic_lr"))
             n_updates += 1
-    totals = all_sum(*sums.values(), device=device)
+    totals = all_sum(*(v.item() for v in sums.values()), device=device)
     metrics = {f"critic/{k}": v / n_updates for k, v in zip(sums, totals)}
     metrics["critic/grad_norm"] = float(np.mean(grad_norms))
     return metrics
