@@ -510,13 +510,14 @@ def validate(engine, val, args, tokenizer, reward_fn, n=1, temperature=0.0):
     outs = engine.generate([e.prompt_ids for e in share], n=n, temperature=temperature, top_p=1.0, top_k=-1,
                            max_tokens=args.max_response_length, seed=args.seed, logprobs=False)
     texts = tokenizer.batch_decode([s.token_ids for out in outs for s in out], skip_special_tokens=True)
-    rows = []
-    for i, e in enumerate(share):
-        strict = [float(reward.score_batch(reward_fn, [e.data_source], [t], [e.ground_truth], [e.extra_info],
-                                           args.reward_errors)[0][0]) for t in texts[i * n:(i + 1) * n]]
-        flex = [reward.compute_score(e.data_source, t, e.ground_truth, method="flexible")
-                if e.data_source in reward.SCORERS else float("nan") for t in texts[i * n:(i + 1) * n]]
-        rows.append((e.data_source, strict, flex, [len(s.token_ids) for s in outs[i]]))
+    sources = [e.data_source for e in share for _ in range(n)]
+    truths = [e.ground_truth for e in share for _ in range(n)]
+    infos = [e.extra_info for e in share for _ in range(n)]
+    strict, _, _ = reward.score_batch(reward_fn, sources, texts, truths, infos, args.reward_errors)
+    flex = [reward.compute_score(s, t, g, method="flexible") if s in reward.SCORERS else float("nan")
+            for s, t, g in zip(sources, texts, truths)]
+    rows = [(e.data_source, strict[i * n:(i + 1) * n], flex[i * n:(i + 1) * n], [len(s.token_ids) for s in outs[i]])
+            for i, e in enumerate(share)]
     rows = [r for rs in gather_objects(rows if engine.tp_rank == 0 else []) for r in rs]
     metrics = {}
     for source in sorted({r[0] for r in rows}):
