@@ -10,6 +10,8 @@
   last good checkpoint as it was. Folders follow verl's layout: `global_step_{N}` plus the tracker
   file `latest_checkpointed_iteration.txt`.
 - `export_hf` writes a folder that `transformers` and vLLM load directly.
+- `PACKED_ATTENTION` is an attention implementation for packed sequences (`--use_remove_padding`):
+  flash attention over variable-length segments on GPU, so no (L, L) mask is ever built.
 All ranks must call every function here (they are collectives); only rank 0 writes shared files.
 The checkpoint folder must be on a file system every rank sees (any single node; NFS or similar
 across nodes).
@@ -35,6 +37,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
 TRACKER = "latest_checkpointed_iteration.txt"  # verl's name for "which global_step_N is the latest"
 _WRAPPER_PREFIXES = re.compile(r"(_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_mod)\.")
 
@@ -58,6 +64,57 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
         if isinstance(module, torch.nn.ModuleList):
             return module
     raise ValueError(f"{type(model).__name__}: no decoder layers found under model.layers / transformer.h / layers")
+
+
+# --- packed sequences: variable-length attention ------------------------------------------------
+
+PACKED_ATTENTION = "packed_varlen"  # load models with attn_implementation=PACKED_ATTENTION
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     cu_seq_lens=None, max_seq_len=None, **kwargs):
+    """Causal attention inside each segment of a packed row, none across segments.
+
+    Called by transformers' attention layers with query (1, Hq, L, D), key/value (1, Hkv, L, D).
+    `cu_seq_lens` (int32, [0, l1, l1+l2, ..., L]) and `max_seq_len` come from the forward call's
+    keyword arguments (`collate` adds them). On GPU the flash-attention varlen kernel does only the
+    L_i^2 / 2 work of each segment; transformers' own sdpa path for packed rows builds a dense
+    block-diagonal (L, L) mask and spends sum_i L * L_i on it. On CPU each segment runs through sdpa.
+    Without `cu_seq_lens` (padded batches, generation) this is transformers' sdpa attention.
+    """
+    if cu_seq_lens is None:
+        pos = kwargs.get("position_ids")
+        if attention_mask is None and pos is not None and pos.shape[-1] > 1 and int((pos[0] == 0).sum()) > 1:
+            raise ValueError("packed sequences (positions restart within a row) need cu_seq_lens and max_seq_len")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    assert query.shape[0] == 1, "packed attention expects one row"
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (L, H, D)
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: kv head j serves query heads j*r..j*r+r-1
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if q.is_cuda:
+        # the kernel behind torch.nn.attention.varlen (whose Python signature changed across torch
+        # releases; this op's did not); it is differentiable in query, key and value
+        out = torch.ops.aten._flash_attention_forward(q, k, v, cu_seq_lens, cu_seq_lens, max_seq_len, max_seq_len,
+                                                      0.0, True, False, scale=scaling)[0]
+    else:
+        bounds = cu_seq_lens.tolist()
+        out = torch.cat([
+            torch.nn.functional.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True,
+                scale=scaling).transpose(0, 1)
+            for a, b in zip(bounds[:-1], bounds[1:])])
+    return out[None], None  # (1, L, Hq, D), as transformers' attention functions return
+
+
+def _packed_mask(*args, attention_mask=None, **kwargs):
+    """No mask for packed rows (the segments say it all); padded batches get sdpa's mask."""
+    return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, _packed_mask)
 
 
 def apply_fsdp2(

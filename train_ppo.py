@@ -308,9 +308,9 @@ def collate(samples, packed, device):
     """Model inputs for a micro-batch of (prompt_ids, response_ids) pairs, and where to read back.
 
     Padded: prompts left-padded, responses right-padded, logits kept for the last T+1 positions.
-    Packed (`--use_remove_padding`): all sequences in one row, positions restarting per sequence
-    (transformers then masks attention across sequences), logits kept only where a response token
-    is predicted. `unpack` = (rows, cols, b, T): response token k sits at [rows[k], cols[k]] of a
+    Packed (`--use_remove_padding`): all sequences in one row, positions restarting per sequence,
+    segment bounds `cu_seq_lens` for variable-length attention (`sharding.packed_attention`), logits
+    kept only where a response token is predicted. `unpack` = (rows, cols, b, T): response token k sits at [rows[k], cols[k]] of a
     (b, T) result, T = longest response, in the order of the kept logits.
     """
     T = max(max(len(r) for _, r in samples), 1)
@@ -318,13 +318,16 @@ def collate(samples, packed, device):
     cols = torch.tensor([t for _, r in samples for t in range(len(r))], device=device)
     unpack = (rows, cols, len(samples), T)
     if packed:
-        ids, pos, keep = [], [], []
+        ids, pos, keep, cu = [], [], [], [0]
         for p, r in samples:
             keep += range(len(ids) + len(p) - 1, len(ids) + len(p) + len(r) - 1)
             ids += p + r
             pos += range(len(p) + len(r))
+            cu.append(len(ids))
         return dict(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([pos], device=device),
-                    logits_to_keep=torch.tensor(keep, device=device), unpack=unpack)
+                    logits_to_keep=torch.tensor(keep, device=device), unpack=unpack,
+                    cu_seq_lens=torch.tensor(cu, dtype=torch.int32, device=device),  # for sharding.packed_attention
+                    max_seq_len=max(b - a for a, b in zip(cu, cu[1:])))
     P = max(len(p) for p, _ in samples)
     ids = [[0] * (P - len(p)) + p + r + [0] * (T - len(r)) for p, r in samples]
     attn = [[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (T - len(r)) for p, r in samples]
@@ -572,9 +575,14 @@ def init_distributed():
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def attention(args):
+    """Variable-length attention for packed sequences, transformers' sdpa for padded ones."""
+    return sharding.PACKED_ATTENTION if args.use_remove_padding else "sdpa"
+
+
 def load_policy(path, device, trainable, offload, args):
     """A Hugging Face causal LM, fp32 masters, sharded with FSDP2 (bf16 compute on GPU)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention(args))
     if device.type == "cuda" and not offload:
         model.to(device)
     sharding.apply_fsdp2(model, param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
@@ -591,7 +599,7 @@ def load_critic(path, device, args):
     (transformers' default for the head is 0.1; verl sets 0 too), so values are deterministic."""
     config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0)
     model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
-                                                            attn_implementation="sdpa")
+                                                            attn_implementation=attention(args))
     if device.type == "cuda" and not args.critic_param_offload:
         model.to(device)
     sharding.apply_fsdp2(model, param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,

@@ -5,11 +5,13 @@ Shapes as in train_grpo.py: N sequences (B prompts x n samples), T response toke
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import sharding
 import train_grpo
 from train_grpo import (
     Args,
@@ -320,7 +322,8 @@ def test_check_args_rejects_unknown_variants(kw, flag):
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(), dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(tiny_config(), dtype=torch.float32,
+                                             attn_implementation=sharding.PACKED_ATTENTION)  # as the scripts load it
     with torch.no_grad():  # larger weights than the default init, so log-probs are far from uniform
         for p in model.parameters():
             if p.dim() == 2:
@@ -345,6 +348,31 @@ def test_packed_log_probs_equal_padded_and_a_loop(model):
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
         close(packed[i, :len(r)], expected, atol=1e-5)
         close(packed_entropy[i, :len(r)], entropy_from_logits(logits), atol=1e-5)
+
+
+def test_packed_attention_equals_a_block_diagonal_mask():
+    """sharding.packed_attention on 3 segments (grouped-query heads, 4 query / 2 kv) equals sdpa with
+    the block-diagonal causal mask written out by hand, in value and in gradient."""
+    torch.manual_seed(0)
+    lens, L, D = [3, 5, 2], 10, 8
+    q = torch.randn(1, 4, L, D, requires_grad=True)
+    k, v = (torch.randn(1, 2, L, D, requires_grad=True) for _ in range(2))
+    seg = torch.tensor([0] * 3 + [1] * 5 + [2] * 2)
+    allowed = (seg[:, None] == seg[None, :]) & torch.ones(L, L, dtype=torch.bool).tril()
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=allowed).transpose(1, 2)  # (1, L, 4, D)
+    out, _ = sharding.packed_attention(None, q, k, v, None, scaling=D ** -0.5,
+                                       cu_seq_lens=torch.tensor([0, 3, 8, 10], dtype=torch.int32), max_seq_len=5)
+    close(out, expected, atol=1e-6)
+    grads = torch.autograd.grad((out * torch.arange(L * 4 * D).reshape(out.shape).sin()).sum(), (q, k, v))
+    expected_grads = torch.autograd.grad((expected * torch.arange(L * 4 * D).reshape(out.shape).sin()).sum(),
+                                         (q, k, v))
+    for g, e in zip(grads, expected_grads):
+        close(g, e, atol=1e-5)
+    # a packed row without segment bounds would attend across sequences: refused
+    with pytest.raises(ValueError, match="cu_seq_lens"):
+        sharding.packed_attention(SimpleNamespace(is_causal=True), q, k, v, None,
+                                  position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1]]))
 
 
 def accumulated_grads(model, samples, micro, packed, mode, old_log_probs, ref_log_probs, advantages, mask):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification
 
+import sharding
 import train_ppo
 from train_ppo import (
     AdaptiveKLController,
@@ -252,7 +253,8 @@ def critic():
     torch.manual_seed(0)
     config = tiny_config()
     config.num_labels, config.classifier_dropout = 1, 0.0
-    model = AutoModelForTokenClassification.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForTokenClassification.from_config(config, dtype=torch.float32,
+                                                      attn_implementation=sharding.PACKED_ATTENTION)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:

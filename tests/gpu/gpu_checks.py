@@ -24,6 +24,29 @@ def used_gib():
     return (total - free) / 2**30
 
 
+def varlen_attention_check(device):
+    """The flash varlen kernel behind sharding.packed_attention (bf16, 14 query / 2 kv heads, as
+    Qwen2.5-0.5B) against sdpa run on each segment alone in fp32: outputs and gradients."""
+    torch.manual_seed(0)
+    lens = [700, 33, 1024, 1, 250]
+    L = sum(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    q = torch.randn(1, 14, L, 64, device=device, requires_grad=True)
+    k, v = (torch.randn(1, 2, L, 64, device=device, requires_grad=True) for _ in range(2))
+    w = torch.randn(1, L, 14, 64, device=device)
+    out, _ = sharding.packed_attention(None, *(t.bfloat16() for t in (q, k, v)), None, scaling=0.125,
+                                       cu_seq_lens=cu, max_seq_len=max(lens))
+    grads = torch.autograd.grad((out.float() * w).sum(), (q, k, v))
+    bounds = cu.tolist()
+    ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, a:b], k[:, :, a:b].repeat_interleave(7, 1), v[:, :, a:b].repeat_interleave(7, 1), is_causal=True,
+        scale=0.125).transpose(1, 2) for a, b in zip(bounds[:-1], bounds[1:])], 1)
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    return {"varlen_attention_max_diff": (out.float() - ref).abs().max().item(),
+            "varlen_attention_grad_rel_diff": max(((g - e).norm() / e.norm()).item()
+                                                  for g, e in zip(grads, ref_grads))}
+
+
 def main(model_path, out_path):
     from transformers import AutoModelForCausalLM
 
@@ -31,7 +54,9 @@ def main(model_path, out_path):
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
     res = {}
-    actor = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    res |= varlen_attention_check(device)
+    actor = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                 attn_implementation=sharding.PACKED_ATTENTION).to(device)
     sharding.apply_fsdp2(actor)
     engine = VLLMEngine(model_path, gpu_memory_utilization=0.3, max_model_len=1024, load_format="dummy")
     push = lambda: engine.update_weights(sharding.iter_full_tensors(actor, torch.bfloat16))  # noqa: E731
