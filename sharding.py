@@ -69,6 +69,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 # --- packed sequences: variable-length attention ------------------------------------------------
 
 PACKED_ATTENTION = "packed_varlen"  # load models with attn_implementation=PACKED_ATTENTION
+_FLASH_FAILED = []  # the error, once the flash kernel has refused to run here
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -79,7 +80,8 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     `cu_seq_lens` (int32, [0, l1, l1+l2, ..., L]) and `max_seq_len` come from the forward call's
     keyword arguments (`collate` adds them). On GPU the flash-attention varlen kernel does only the
     L_i^2 / 2 work of each segment; transformers' own sdpa path for packed rows builds a dense
-    block-diagonal (L, L) mask and spends sum_i L * L_i on it. On CPU each segment runs through sdpa.
+    block-diagonal (L, L) mask and spends sum_i L * L_i on it. On CPU (or in fp32, or where the
+    kernel is missing) each segment runs through sdpa on its own.
     Without `cu_seq_lens` (padded batches, generation) this is transformers' sdpa attention.
     """
     if cu_seq_lens is None:
@@ -93,12 +95,18 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     if k.shape[1] != q.shape[1]:  # grouped-query attention: kv head j serves query heads j*r..j*r+r-1
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    if q.is_cuda:
+    out = None
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not _FLASH_FAILED:
         # the kernel behind torch.nn.attention.varlen (whose Python signature changed across torch
         # releases; this op's did not); it is differentiable in query, key and value
-        out = torch.ops.aten._flash_attention_forward(q, k, v, cu_seq_lens, cu_seq_lens, max_seq_len, max_seq_len,
-                                                      0.0, True, False, scale=scaling)[0]
-    else:
+        try:
+            out = torch.ops.aten._flash_attention_forward(q, k, v, cu_seq_lens, cu_seq_lens, max_seq_len,
+                                                          max_seq_len, 0.0, True, False, scale=scaling)[0]
+        except (RuntimeError, TypeError) as e:  # e.g. a GPU without flash attention
+            _FLASH_FAILED.append(e)
+            print(f"packed_attention: flash varlen attention unavailable ({e}); attending per sequence instead",
+                  flush=True)
+    if out is None:
         bounds = cu_seq_lens.tolist()
         out = torch.cat([
             torch.nn.functional.scaled_dot_product_attention(

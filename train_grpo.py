@@ -60,6 +60,10 @@ class Args:
     ppo_mini_batch_size: int = field(default=64, metadata={"help": "prompts per optimizer step (x rollout_n inside)"})
     ppo_micro_batch_size_per_gpu: int = field(default=4, metadata={"help": "sequences per forward/backward"})
     log_prob_micro_batch_size_per_gpu: int = field(default=8, metadata={"help": "sequences per log-prob forward"})
+    use_dynamic_bsz: bool = field(default=False, metadata={
+        "help": "micro-batches by token budget (the *_max_token_len_per_gpu flags) instead of sequence count"})
+    ppo_max_token_len_per_gpu: int = field(default=16384, metadata={"help": "tokens per forward/backward"})
+    log_prob_max_token_len_per_gpu: int = field(default=16384, metadata={"help": "tokens per log-prob forward"})
     ppo_epochs: int = field(default=1, metadata={"help": "passes over each batch"})
     actor_lr: float = field(default=1e-6, metadata={"help": "AdamW learning rate"})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
@@ -268,14 +272,42 @@ def forward_log_probs(model, samples, temperature, packed, with_entropy, entropy
     return log_probs, entropy
 
 
+def micro_batches(samples, size, max_tokens=None):
+    """Split a rank's sequences into micro-batches of indices, the same number on every rank (FSDP2's
+    collectives run once per forward). Without a token budget: `size` sequences each, in order. With
+    one (`--use_dynamic_bsz`): the fewest groups whose tokens fit `max_tokens` on every rank, filled
+    longest sequence first into the lightest group, so a long and a short batch cost alike."""
+    if not max_tokens:
+        return [list(range(i, min(i + size, len(samples)))) for i in range(0, len(samples), size)]
+    lengths = [len(p) + len(r) for p, r in samples]
+
+    def fill(k):
+        groups, loads = [[] for _ in range(k)], [0] * k
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            j = loads.index(min(loads))
+            groups[j].append(i)
+            loads[j] += lengths[i]
+        return [sorted(g) for g in groups], max(loads)
+
+    k = max(1, -(-sum(lengths) // max_tokens))
+    while k < len(lengths) and fill(k)[1] > max_tokens:
+        k += 1
+    if dist.is_initialized():
+        k_all = torch.tensor(k, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(k_all, op=dist.ReduceOp.MAX)
+        k = int(k_all)
+    return fill(min(k, len(lengths)))[0]
+
+
 @torch.no_grad()
-def batched_log_probs(model, samples, micro, temperature, packed, T):
+def batched_log_probs(model, samples, micro, temperature, packed, T, max_tokens=None):
     """Log-probs (N, T) of a rank's sequences, in micro-batches (same count on every rank)."""
-    out = []
-    for i in range(0, len(samples), micro):
-        lp, _ = forward_log_probs(model, samples[i:i + micro], temperature, packed, False)
-        out.append(torch.nn.functional.pad(lp, (0, T - lp.shape[1])))
-    return torch.cat(out)
+    out = None
+    for idx in micro_batches(samples, micro, max_tokens):
+        lp, _ = forward_log_probs(model, [samples[i] for i in idx], temperature, packed, False)
+        out = lp.new_zeros(len(samples), T) if out is None else out
+        out[idx, :lp.shape[1]] = lp
+    return out
 
 
 def all_sum(*values, device):
@@ -304,6 +336,23 @@ def flops_per_token(config, seq_len):
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
     return 2 * (L * per_layer + V * h) + 2 * L * seq_len * q
+
+
+def phase_perf(t, config, seq_len, tokens, response_tokens, peak_flops, epochs, push_bytes):
+    """Achieved TFLOP/s and MFU of the phases that ran (`t`: their timing_s/*): a log-prob phase is
+    one forward over `tokens`, the actor update three (forward + backward) per epoch; the lm_head
+    counts only at the `response_tokens` positions where it is applied. Weight sync in GB/s."""
+    lm_head = 2 * config.vocab_size * config.hidden_size
+    forward = tokens * (flops_per_token(config, seq_len) - lm_head) + response_tokens * lm_head
+    out = {"perf/peak_tflops": peak_flops / 1e12}
+    for phase, name, passes in (("old_log_prob", "old_log_prob", 1), ("ref", "ref", 1),
+                                ("update_actor", "actor", 3 * epochs)):
+        if f"timing_s/{phase}" in t:
+            rate = passes * forward / t[f"timing_s/{phase}"]
+            out |= {f"perf/tflops/{name}": rate / 1e12, f"perf/mfu/{name}": rate / peak_flops}
+    if "timing_s/update_weights" in t:
+        out["perf/weight_sync_gb_s"] = push_bytes / t["timing_s/update_weights"] / 1e9
+    return out
 
 
 def measure_peak_flops(device):
@@ -407,6 +456,11 @@ def check_args(args, world_size):
          f"the number of GPUs {world_size}")
     need(world_size % args.tensor_model_parallel_size == 0,
          f"--tensor_model_parallel_size {args.tensor_model_parallel_size} must divide the number of GPUs {world_size}")
+    longest = args.max_prompt_length + args.max_response_length
+    for flag in ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"):
+        need(not args.use_dynamic_bsz or getattr(args, flag) >= longest,
+             f"--{flag} {getattr(args, flag)} must hold the longest sequence, --max_prompt_length + "
+             f"--max_response_length = {longest}")
     need(args.kl_loss_coef is None or args.use_kl_loss, "--kl_loss_coef is set but --use_kl_loss is false")
     need(args.kl_coef is None or args.use_kl_in_reward, "--kl_coef is set but --use_kl_in_reward is false")
     need(args.truncation in ("error", "left", "right"), "--truncation must be error, left or right")
@@ -601,8 +655,10 @@ def main(args):
     if args.val_before_train and val is not None and step == 0:
         logger.log(validate(engine, val, args, tokenizer, reward_fn), step)
     peak_flops = measure_peak_flops(device) * world
+    push_bytes = sum(p.numel() for p in actor.parameters()) * push_dtype.itemsize
     config = actor.config
     packed = args.use_remove_padding
+    log_prob_tokens = args.log_prob_max_token_len_per_gpu if args.use_dynamic_bsz else None
     n, B = args.rollout_n, args.train_batch_size
     per_rank = B // world  # prompts per rank
 
@@ -655,11 +711,11 @@ def main(args):
             # 3 old and reference log-probs, recomputed by the FSDP2 actor (the engine's are a check)
             with timer("old_log_prob"):
                 old_log_probs = batched_log_probs(actor, samples, args.log_prob_micro_batch_size_per_gpu,
-                                                  args.temperature, packed, T)
+                                                  args.temperature, packed, T, log_prob_tokens)
             if ref is not None:
                 with timer("ref"):
                     ref_log_probs = batched_log_probs(ref, samples, args.log_prob_micro_batch_size_per_gpu,
-                                                      args.temperature, packed, T)
+                                                      args.temperature, packed, T, log_prob_tokens)
 
             # 4 advantages: the score sits on the last response token; KL-in-reward spreads -kl_coef * KL
             with timer("adv"):
@@ -696,7 +752,6 @@ def main(args):
         n_tokens = all_sum(response_mask.sum().item(), device=device)[0]
         prompt_tokens = sum(len(g["example"].prompt_ids) for g in groups) * n
         seq_len = (prompt_tokens + lengths.sum().item()) / len(lengths)
-        fpt = flops_per_token(config, seq_len)
         t = timer.metrics
         metrics |= {
             "critic/score/mean": all_scores.mean().item(), "critic/score/max": all_scores.max().item(),
@@ -717,12 +772,11 @@ def main(args):
             "actor/lr": lr,
             "perf/throughput": (prompt_tokens + lengths.sum().item()) / t["timing_s/step"] / world,
             "perf/gen_tokens_per_s": lengths.sum().item() / t["timing_s/gen"],
-            "perf/mfu/actor": 3 * args.ppo_epochs * fpt * (prompt_tokens + lengths.sum().item())
-            / t["timing_s/update_actor"] / peak_flops,
             "perf/max_memory_allocated_gb": max([v for k, v in t.items() if k.startswith("perf/max_memory")],
                                                 default=0.0),
             "training/global_step": step, "training/epoch": epoch,
-        } | update_stats | t
+        } | update_stats | t | phase_perf(t, config, seq_len, prompt_tokens + lengths.sum().item(),
+                                          lengths.sum().item(), peak_flops, args.ppo_epochs, push_bytes)
         for key in {k for g in groups for k in g["extras"]}:
             metrics[f"critic/score/{key}/mean"] = float(np.mean([x for g in groups for x in g["extras"].get(key, [])]))
         last_step = step == total_steps
@@ -764,6 +818,7 @@ def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advant
     world = dist.get_world_size()
     mini = args.ppo_mini_batch_size * args.rollout_n // world  # sequences per rank per optimizer step
     micro = args.ppo_micro_batch_size_per_gpu
+    max_tokens = args.ppo_max_token_len_per_gpu if args.use_dynamic_bsz else None
     # running sums stay on the device: an .item() per micro-batch would stall the GPU each time
     sums = {k: torch.zeros((), device=device)
             for k in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
@@ -774,10 +829,11 @@ def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advant
             tokens = all_sum(response_mask[start:stop].sum().item(), device=device)[0]
             seqs = (stop - start) * world
             mini_loss = torch.zeros((), device=device)
-            for i in range(start, stop, micro):
-                mb = slice(i, min(i + micro, stop))
-                log_probs, entropy = forward_log_probs(actor, samples[mb], args.temperature, args.use_remove_padding,
-                                                       with_entropy=True, entropy_grad=args.entropy_coeff != 0)
+            for idx in micro_batches(samples[start:stop], micro, max_tokens):
+                mb = [start + i for i in idx]
+                log_probs, entropy = forward_log_probs(actor, [samples[i] for i in mb], args.temperature,
+                                                       args.use_remove_padding, with_entropy=True,
+                                                       entropy_grad=args.entropy_coeff != 0)
                 Tm = log_probs.shape[1]
                 mask, adv, old = response_mask[mb, :Tm], advantages[mb, :Tm], old_log_probs[mb, :Tm]
                 agg = dict(response_mask=mask, mode=args.loss_agg_mode, num_tokens=tokens, num_seqs=seqs,

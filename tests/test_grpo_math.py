@@ -247,6 +247,18 @@ def test_flops_per_token_by_hand():
     assert flops_per_token(model.config, 0) == 2 * sum(p.numel() for p in model.parameters() if p.dim() == 2)
 
 
+def test_phase_perf_by_hand():
+    # tiny config at seq_len 100: 722944 FLOPs per token forward, of which the lm_head is 2 * V * h = 81920
+    # 1000 tokens, 400 of them response tokens: 1000 * (722944 - 81920) + 400 * 81920 = 673792000
+    t = {"timing_s/old_log_prob": 2.0, "timing_s/update_actor": 3.0, "timing_s/update_weights": 0.5}
+    perf = train_grpo.phase_perf(t, tiny_config(tie=True), 100, 1000, 400, 1e9, 2, 4e9)
+    assert perf["perf/tflops/old_log_prob"] == pytest.approx(673792000 / 2.0 / 1e12)
+    assert perf["perf/mfu/old_log_prob"] == pytest.approx(673792000 / 2.0 / 1e9)
+    assert perf["perf/mfu/actor"] == pytest.approx(3 * 2 * 673792000 / 3.0 / 1e9)  # 3 passes x 2 epochs
+    assert "perf/mfu/ref" not in perf  # no reference phase ran
+    assert perf["perf/weight_sync_gb_s"] == pytest.approx(8.0) and perf["perf/peak_tflops"] == 1e-3
+
+
 def test_batch_order_is_seeded_and_drops_the_last_partial_batch():
     order = batch_order(10, 4, epoch=0, seed=1)  # 10 prompts in batches of 4: 2 batches, 2 prompts dropped
     assert [len(b) for b in order] == [4, 4]
@@ -348,6 +360,17 @@ def test_packed_log_probs_equal_padded_and_a_loop(model):
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
         close(packed[i, :len(r)], expected, atol=1e-5)
         close(packed_entropy[i, :len(r)], entropy_from_logits(logits), atol=1e-5)
+
+
+def test_micro_batches_by_count_and_by_token_budget():
+    seqs = lambda lengths: [([0] * (n - 1), [0]) for n in lengths]  # noqa: E731  (prompt, response) of n tokens
+    assert train_grpo.micro_batches(seqs([5] * 5), 2) == [[0, 1], [2, 3], [4]]
+    # 30 tokens, budget 15: two groups; longest first into the lighter group:
+    # 10 -> A, 8 -> B, 7 -> B (15), 3 -> A (13), 2 -> A (15)
+    assert train_grpo.micro_batches(seqs([10, 3, 7, 2, 8]), 2, max_tokens=15) == [[0, 1, 3], [2, 4]]
+    # 18 tokens would fit 2 x 10, but two 6-token sequences do not: the count grows until each group fits
+    assert train_grpo.micro_batches(seqs([6, 6, 6]), 2, max_tokens=10) == [[0], [1], [2]]
+    assert train_grpo.micro_batches(seqs([4, 4, 4, 4]), 1, max_tokens=100) == [[0, 1, 2, 3]]
 
 
 def test_packed_attention_equals_a_block_diagonal_mask():

@@ -32,6 +32,7 @@ METRICS = [
     "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv", "timing_s/update_actor",
     "timing_s/update_weights", "timing_s/step",
     "perf/throughput", "perf/mfu/actor", "perf/max_memory_allocated_gb", "rollout/logprob_gap_mean",
+    "perf/mfu/old_log_prob", "perf/tflops/actor", "perf/weight_sync_gb_s", "perf/peak_tflops",
 ]
 STEP2_ONLY = ["timing_s/testing", "val-core/openai/gsm8k/reward/mean@1", "val-core/openai/gsm8k/reward_flexible/mean@1"]
 REWARD = '''
@@ -100,16 +101,17 @@ def metrics_by_step(out_dir):
         return {row["step"]: row for row in map(json.loads, f)}
 
 
-def two_step_run(assets, engine):
+def two_step_run(assets, engine, *extra):
     out = assets["tmp"] / f"run_{engine}"
-    proc = launch(flags(assets, out, engine, 2))
+    proc = launch(flags(assets, out, engine, 2, "disable", *extra))
     assert proc.returncode == 0, proc.output[-6000:]
     return out
 
 
 @pytest.fixture(scope="module")
-def hf_run(assets):
-    return two_step_run(assets, "hf")
+def hf_run(assets):  # micro-batches by token budget (same count on both ranks); the vLLM run by count
+    return two_step_run(assets, "hf", "--use_dynamic_bsz", "--ppo_max_token_len_per_gpu", "300",
+                        "--log_prob_max_token_len_per_gpu", "300")
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +187,7 @@ def write_parquet_without(src, dst, column):
     pq.write_table(table.drop([column]), dst)
 
 
-@pytest.mark.parametrize("case", ["rollout_n_1", "missing_column", "missing_reward_file"])
+@pytest.mark.parametrize("case", ["rollout_n_1", "missing_column", "missing_reward_file", "token_budget"])
 def test_bad_input_fails_at_start_up(case, assets):
     out = assets["tmp"] / f"bad_{case}"
     expected = []
@@ -193,6 +195,9 @@ def test_bad_input_fails_at_start_up(case, assets):
     if case == "rollout_n_1":
         args[args.index("--rollout_n") + 1] = "1"
         expected = ["--rollout_n must be > 1"]
+    elif case == "token_budget":
+        args += ["--use_dynamic_bsz", "--ppo_max_token_len_per_gpu", "100"]
+        expected = ["--ppo_max_token_len_per_gpu 100 must hold the longest sequence"]
     elif case == "missing_column":
         bad = assets["tmp"] / "no_reward_model.parquet"
         write_parquet_without(assets["data"] / "train.parquet", bad, "reward_model")

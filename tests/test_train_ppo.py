@@ -73,6 +73,10 @@ def checkpoint(out_dir, step):
     return state["model.actor"], state["model.critic"]
 
 
+TOKEN_BUDGET = ["--use_dynamic_bsz", "--ppo_max_token_len_per_gpu", "300", "--log_prob_max_token_len_per_gpu", "300",
+                "--critic_ppo_max_token_len_per_gpu", "300"]
+
+
 def two_step_run(assets, engine, *extra):
     out = assets["tmp"] / f"ppo_{engine}{'_'.join(extra)}"
     run_ppo(flags(assets, out, engine, 2, "disable", *extra))
@@ -80,8 +84,8 @@ def two_step_run(assets, engine, *extra):
 
 
 @pytest.fixture(scope="module")
-def hf_run(assets):
-    return two_step_run(assets, "hf")
+def hf_run(assets):  # micro-batches by token budget (same count on both ranks); the vLLM run by count
+    return two_step_run(assets, "hf", *TOKEN_BUDGET)
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +154,8 @@ def test_critic_warmup_updates_only_the_critic_first(assets):
 
 def test_resume_replays_the_uninterrupted_run(assets, hf_run):
     out = assets["tmp"] / "ppo_hf_resumed"
-    run_ppo(flags(assets, out, "hf", 1))
-    second = run_ppo(flags(assets, out, "hf", 2, "auto"))
+    run_ppo(flags(assets, out, "hf", 1, "disable", *TOKEN_BUDGET))
+    second = run_ppo(flags(assets, out, "hf", 2, "auto", *TOKEN_BUDGET))
     assert "resumed from" in second.output and "global_step_1" in second.output
     resumed, whole = metrics_by_step(out), metrics_by_step(hf_run)
     assert sorted(resumed) == [1, 2]

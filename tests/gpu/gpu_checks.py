@@ -42,7 +42,8 @@ def varlen_attention_check(device):
         q[:, :, a:b], k[:, :, a:b].repeat_interleave(7, 1), v[:, :, a:b].repeat_interleave(7, 1), is_causal=True,
         scale=0.125).transpose(1, 2) for a, b in zip(bounds[:-1], bounds[1:])], 1)
     ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
-    return {"varlen_attention_max_diff": (out.float() - ref).abs().max().item(),
+    return {"varlen_flash_kernel_ran": not sharding._FLASH_FAILED,
+            "varlen_attention_max_diff": (out.float() - ref).abs().max().item(),
             "varlen_attention_grad_rel_diff": max(((g - e).norm() / e.norm()).item()
                                                   for g, e in zip(grads, ref_grads))}
 

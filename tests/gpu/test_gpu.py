@@ -33,6 +33,7 @@ def test_engine_on_gpu(tmp_path):
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads(out.read_text())
     print(json.dumps(res, indent=1))
+    assert res["varlen_flash_kernel_ran"]
     assert res["varlen_attention_max_diff"] < 5e-2  # bf16 inputs against an fp32 reference
     assert res["varlen_attention_grad_rel_diff"] < 2e-2
     assert res["perturbed_changes_output"]
