@@ -4,14 +4,23 @@
 #   bash bench/gpu_all.sh engine    # bench_engine: plain vLLM vs ours, sync, sleep/wake, memory, parity
 #   bash bench/gpu_all.sh grpo      # 3 GRPO steps of the tutorial shape + the per-phase table
 #   bash bench/gpu_all.sh ppo       # 3 PPO steps of the quickstart shape + the per-phase table
-# MODEL (a Hugging Face folder), DATA (GSM8K parquet folder), PY (python), LIMIT (seconds per part).
+#   bash bench/gpu_all.sh learn     # GRPO on GSM8K, resumable across calls (RUNS/learn), + the per-phase table
+#   bash bench/gpu_all.sh val       # --val_only of the base model: strict/flexible greedy mean@1, pass@5
+# MODEL (a Hugging Face folder), DATA (GSM8K parquet folder), PY (python), LIMIT (seconds per part),
+# RUNS (a folder that outlives one call, for checkpoints), LEARN_ARGS (extra flags of the learning run).
 set -u
 OUT=${OUT:-bench_out}
 MODEL=${MODEL:-/tmp/models/qwen2.5-coder-0.5b-instruct}
 DATA=${DATA:-/tmp/data/gsm8k}
 PY=${PY:-python3}
 LIMIT=${LIMIT:-540}
+RUNS=${RUNS:-/tmp/runs}
+LEARN_ARGS=${LEARN_ARGS:-}
 mkdir -p "$OUT"
+# micro-batches by token budget: few, large forwards (the sequences are packed, attention is varlen)
+fast="--use_dynamic_bsz --ppo_max_token_len_per_gpu 24576 --log_prob_max_token_len_per_gpu 32768"
+plain=""
+[ -f "$OUT/bench_engine.json" ] && plain="--plain_tok_s $OUT/bench_engine.json"
 data="--train_files $DATA/train.parquet --val_files $DATA/test.parquet"
 steps="--total_training_steps 3 --val_before_train false --test_freq -1 --export_final false --resume_mode disable"
 for part in "$@"; do
@@ -19,17 +28,30 @@ for part in "$@"; do
     test)   cmd="GPU_TEST_MODEL=$MODEL $PY -m pytest tests/gpu -q -s" ;;
     engine) cmd="$PY bench/bench_engine.py --plain --model $MODEL --out $OUT && \
                  $PY -m torch.distributed.run --nproc_per_node=1 bench/bench_engine.py --model $MODEL --out $OUT" ;;
-    grpo)   cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data $steps \
-                 --ppo_micro_batch_size_per_gpu 16 --log_prob_micro_batch_size_per_gpu 32 \
-                 --default_local_dir $OUT/grpo && $PY bench/phase_table.py $OUT/grpo/metrics.jsonl" ;;
-    ppo)    cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_ppo.py --model $MODEL $data $steps \
-                 --ppo_micro_batch_size_per_gpu 16 --critic_ppo_micro_batch_size_per_gpu 16 \
-                 --log_prob_micro_batch_size_per_gpu 32 --default_local_dir $OUT/ppo \
-                 && $PY bench/phase_table.py $OUT/ppo/metrics.jsonl" ;;
-    *) echo "unknown part $part (test, engine, grpo, ppo)"; exit 2 ;;
+    grpo)   cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data $steps $fast \
+                 --default_local_dir $OUT/grpo && $PY bench/phase_table.py $OUT/grpo/metrics.jsonl $plain" ;;
+    ppo)    cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_ppo.py --model $MODEL $data $steps $fast \
+                 --critic_ppo_max_token_len_per_gpu 32768 --default_local_dir $OUT/ppo \
+                 && $PY bench/phase_table.py $OUT/ppo/metrics.jsonl $plain" ;;
+    # the tutorial's GRPO settings with response length 512; stopped by LIMIT, resumed by the next call
+    learn)  cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data $fast \
+                 --max_response_length 512 --total_training_steps 29 --test_freq 5 --save_freq 3 \
+                 --export_final false --resume_mode auto --default_local_dir $RUNS/learn $LEARN_ARGS" ;;
+    val)    cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data --val_only \
+                 --val_n 5 --val_temperature 1.0 --max_response_length 512 --default_local_dir $OUT/val \
+                 --resume_mode disable" ;;
+    *) echo "unknown part $part (test, engine, grpo, ppo, learn, val)"; exit 2 ;;
   esac
   echo "== $part: $cmd"
-  timeout "$LIMIT" bash -c "$cmd" > "$OUT/$part.log" 2>&1
+  timeout -k 20 "$LIMIT" bash -c "$cmd" > "$OUT/$part.log" 2>&1
   echo "== $part: exit $?"
+  if [ "$part" = learn ] && [ -f "$RUNS/learn/metrics.jsonl" ]; then
+    cp "$RUNS/learn/metrics.jsonl" "$OUT/learn_metrics.jsonl"
+    $PY bench/phase_table.py "$OUT/learn_metrics.jsonl" $plain >> "$OUT/learn.log" 2>&1
+    grep -h '"step": ' "$OUT/learn_metrics.jsonl" | $PY -c "import json,sys
+for r in map(json.loads, sys.stdin):
+    v = {k: round(x, 3) for k, x in r.items() if k.startswith('val-core') and 'mean@1' in k}
+    if v: print('val step', r['step'], v)" >> "$OUT/learn.log"
+  fi
   grep -v -E "it/s\]|it/s$|^INFO|^\(|^WARNING" "$OUT/$part.log" | tail -25
 done

@@ -1,22 +1,56 @@
-"""Per-phase time of each step of a run, from its metrics.jsonl:  python bench/phase_table.py RUN/metrics.jsonl"""
+"""Per-phase time of each step of a run, from its metrics.jsonl, and the step against its speed of light.
 
+    python bench/phase_table.py RUN/metrics.jsonl [--plain_tok_s N | --plain_tok_s OUT/bench_engine.json]
+
+Speed of light of a step: its generated tokens at standalone vLLM's rate (`--plain_tok_s`, measured by
+bench/bench_engine.py; without it, our engine's own rate) plus the FLOPs of its log-prob and update
+phases at 40% of the measured bf16 matmul peak. The median is over steps after the first (warm-up).
+"""
+
+import argparse
 import json
-import sys
+import statistics
 
 PHASES = ["gen", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights", "step"]
+MFU = ["old_log_prob", "ref", "actor"]
 
 
-def main(path):
+def speed_of_light(row, plain_tok_s):
+    tokens = row["perf/gen_tokens_per_s"] * row["timing_s/gen"]
+    flops = sum(row[f"perf/tflops/{m}"] * row[f"timing_s/{p}"] * 1e12
+                for m, p in (("old_log_prob", "old_log_prob"), ("ref", "ref"), ("actor", "update_actor"))
+                if f"perf/tflops/{m}" in row)
+    return tokens / (plain_tok_s or row["perf/gen_tokens_per_s"]) + flops / (0.4 * row["perf/peak_tflops"] * 1e12)
+
+
+def main(path, plain_tok_s=None):
     rows = [r for r in map(json.loads, open(path)) if "timing_s/step" in r]
     phases = [p for p in PHASES if any(f"timing_s/{p}" in r for r in rows)]
-    print(f"{'step':>4} " + " ".join(f"{p:>14}" for p in phases) + f" {'gen tok/s':>10} {'MFU actor':>9} "
-          f"{'score':>6} {'resp len':>8} {'peak GiB':>8}")
+    mfus = [m for m in MFU if any(f"perf/mfu/{m}" in r for r in rows)]
+    print(f"{'step':>4} " + " ".join(f"{p:>14}" for p in phases) + f" {'gen tok/s':>10} "
+          + " ".join(f"{'MFU ' + m:>16}" for m in mfus) + f" {'sync GB/s':>9} {'score':>6} {'resp len':>8}"
+          f" {'peak GiB':>8}")
     for r in rows:
         print(f"{r['step']:>4} " + " ".join(f"{r.get('timing_s/' + p, 0):>14.2f}" for p in phases)
-              + f" {r['perf/gen_tokens_per_s']:>10.0f} {r.get('perf/mfu/actor', float('nan')):>9.3f}"
-              f" {r['critic/score/mean']:>6.3f} {r['response_length/mean']:>8.1f}"
-              f" {r['perf/max_memory_allocated_gb']:>8.1f}")
+              + f" {r['perf/gen_tokens_per_s']:>10.0f} "
+              + " ".join(f"{r.get('perf/mfu/' + m, float('nan')):>16.3f}" for m in mfus)
+              + f" {r.get('perf/weight_sync_gb_s', float('nan')):>9.1f} {r['critic/score/mean']:>6.3f}"
+              f" {r['response_length/mean']:>8.1f} {r['perf/max_memory_allocated_gb']:>8.1f}")
+    steady = rows[1:] or rows
+    if steady and "perf/peak_tflops" in steady[0]:
+        step = statistics.median(r["timing_s/step"] for r in steady)
+        sol = statistics.median(speed_of_light(r, plain_tok_s) for r in steady)
+        source = f"plain vLLM at {plain_tok_s:.0f} tok/s" if plain_tok_s else "our engine's rate"
+        print(f"median step {step:.1f} s; speed of light {sol:.1f} s (generation at {source} + training FLOPs "
+              f"at 40% of {steady[0]['perf/peak_tflops']:.0f} TFLOP/s): {step / sol:.2f}x (target <= 1.5x)")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    p = argparse.ArgumentParser()
+    p.add_argument("metrics")
+    p.add_argument("--plain_tok_s", default=None, help="tokens/s of standalone vLLM, or a bench_engine.json")
+    a = p.parse_args()
+    plain = a.plain_tok_s
+    if plain is not None:
+        plain = json.load(open(plain)).get("plain_tok_s") if plain.endswith(".json") else float(plain)
+    main(a.metrics, plain)
