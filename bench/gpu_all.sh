@@ -18,7 +18,7 @@ RUNS=${RUNS:-/tmp/runs}
 LEARN_ARGS=${LEARN_ARGS:-}
 mkdir -p "$OUT"
 # micro-batches by token budget: few, large forwards (the sequences are packed, attention is varlen)
-fast="--use_dynamic_bsz --ppo_max_token_len_per_gpu 24576 --log_prob_max_token_len_per_gpu 32768"
+fast="--use_dynamic_bsz --ppo_max_token_len_per_gpu 12288 --log_prob_max_token_len_per_gpu 32768"
 plain=""
 [ -f "$OUT/bench_engine.json" ] && plain="--plain_tok_s $OUT/bench_engine.json"
 data="--train_files $DATA/train.parquet --val_files $DATA/test.parquet"
@@ -33,9 +33,10 @@ for part in "$@"; do
     ppo)    cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_ppo.py --model $MODEL $data $steps $fast \
                  --critic_ppo_max_token_len_per_gpu 32768 --default_local_dir $OUT/ppo \
                  && $PY bench/phase_table.py $OUT/ppo/metrics.jsonl $plain" ;;
-    # the tutorial's GRPO settings with response length 512; stopped by LIMIT, resumed by the next call
+    # the tutorial's GRPO settings with response length 512 and lr 5e-6 (docs/benchmarks.md); stopped
+    # by LIMIT, resumed by the next call
     learn)  cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data $fast \
-                 --max_response_length 512 --total_training_steps 29 --test_freq 5 --save_freq 3 \
+                 --max_response_length 512 --actor_lr 5e-6 --total_training_steps 29 --test_freq 4 --save_freq 4 \
                  --export_final false --resume_mode auto --default_local_dir $RUNS/learn $LEARN_ARGS" ;;
     val)    cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data --val_only \
                  --val_n 5 --val_temperature 1.0 --max_response_length 512 --default_local_dir $OUT/val \
