@@ -1,0 +1,34 @@
+"""bench/phase_table.py: the speed of light of a step, worked by hand, and the printed table."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import phase_table  # noqa: E402
+
+ROW = {"step": 1, "timing_s/gen": 10.0, "timing_s/old_log_prob": 2.0, "timing_s/update_actor": 4.0,
+       "timing_s/update_weights": 0.5, "timing_s/step": 17.0, "perf/gen_tokens_per_s": 1000.0,
+       "perf/tflops/old_log_prob": 50.0, "perf/tflops/actor": 100.0, "perf/mfu/old_log_prob": 0.05,
+       "perf/mfu/actor": 0.1, "perf/peak_tflops": 1000.0, "perf/weight_sync_gb_s": 2.0,
+       "critic/score/mean": 0.5, "response_length/mean": 100.0, "perf/max_memory_allocated_gb": 10.0}
+
+
+def test_speed_of_light_by_hand():
+    # 10 s x 1000 tok/s = 10,000 tokens; at plain vLLM's 2000 tok/s: 5 s.
+    # FLOPs: 50 TFLOP/s x 2 s + 100 TFLOP/s x 4 s = 500 TFLOP, at 40% of 1000 TFLOP/s: 1.25 s
+    assert phase_table.speed_of_light(ROW, 2000.0) == pytest.approx(6.25)
+    assert phase_table.speed_of_light(ROW, None) == pytest.approx(11.25)  # at our own rate: 10 s
+
+
+def test_table_and_summary(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 0, "val-core/x/reward/mean@1": 0.1}, ROW, ROW | {"step": 2, "timing_s/step": 15.0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    phase_table.main(str(path), 2000.0)
+    out = capsys.readouterr().out
+    assert "MFU actor" in out and "MFU ref" not in out  # only phases that ran
+    # the median over steps after the first: step 2 alone, 15 s against 6.25 s
+    assert "median step 15.0 s; speed of light 6.2 s" in out and "2.40x" in out
