@@ -6,7 +6,7 @@ REQ     := requirements-$(GPU).txt
 STAMP   := .venv/.installed-$(GPU)
 NPROC   ?= 1
 
-.PHONY: install test test-gpu bench bench-engine bench-reward demo plot lock-cpu data clean
+.PHONY: install test test-gpu bench bench-engine bench-profile bench-reward demo plot lock-cpu data clean
 
 install: $(STAMP)
 
@@ -41,6 +41,10 @@ bench:
 	  --total_training_steps 3 --val_before_train false --test_freq -1 --export_final false \
 	  --resume_mode disable --default_local_dir $(BENCH_OUT)/grpo $(ARGS)
 	$(PY) bench/phase_table.py $(BENCH_OUT)/grpo/metrics.jsonl
+
+# Where the log-prob and update passes spend their time (TFLOP/s per token budget, top kernels).
+bench-profile:
+	$(PY) -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $(MODEL) --out $(BENCH_OUT) $(ARGS)
 
 bench-reward: install
 	$(PY) tests/bench_reward.py

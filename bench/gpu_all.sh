@@ -6,6 +6,7 @@
 #   bash bench/gpu_all.sh ppo       # 3 PPO steps of the quickstart shape + the per-phase table
 #   bash bench/gpu_all.sh learn     # GRPO on GSM8K, resumable across calls (RUNS/learn), + the per-phase table
 #   bash bench/gpu_all.sh val       # --val_only of the base model: strict/flexible greedy mean@1, pass@5
+#   bash bench/gpu_all.sh profile   # log-prob and update passes: TFLOP/s per token budget, top kernels
 # MODEL (a Hugging Face folder), DATA (GSM8K parquet folder), PY (python), LIMIT (seconds per part),
 # RUNS (a folder that outlives one call, for checkpoints), LEARN_ARGS (extra flags of the learning run).
 set -u
@@ -41,7 +42,8 @@ for part in "$@"; do
     val)    cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data --val_only \
                  --val_n 5 --val_temperature 1.0 --max_response_length 512 --default_local_dir $OUT/val \
                  --resume_mode disable" ;;
-    *) echo "unknown part $part (test, engine, grpo, ppo, learn, val)"; exit 2 ;;
+    profile) cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT" ;;
+    *) echo "unknown part $part (test, engine, grpo, ppo, learn, val, profile)"; exit 2 ;;
   esac
   echo "== $part: $cmd"
   timeout -k 20 "$LIMIT" bash -c "$cmd" > "$OUT/$part.log" 2>&1

@@ -32,3 +32,22 @@ def test_table_and_summary(tmp_path, capsys):
     assert "MFU actor" in out and "MFU ref" not in out  # only phases that ran
     # the median over steps after the first: step 2 alone, 15 s against 6.25 s
     assert "median step 15.0 s; speed of light 6.2 s" in out and "2.40x" in out
+
+
+def test_profile_step_runs_on_a_tiny_model(tmp_path):
+    """bench/profile_step.py end to end on CPU: the table of passes and both operator profiles."""
+    import subprocess
+
+    from tests.tiny_model import make_tiny_model
+    model = make_tiny_model(str(tmp_path / "model"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "MASTER_PORT": "29713"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
+                           "--master_port", "29713", "bench/profile_step.py", "--model", model, "--sequences", "8",
+                           "--mini_batch", "4", "--max_response_length", "32", "--log_prob_tokens", "512",
+                           "--update_tokens", "256", "--repeats", "1", "--out", str(tmp_path / "out")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "log_prob" in proc.stdout and "update" in proc.stdout and "top operators" in proc.stdout
+    for name in ("profile_log_prob.txt", "profile_update.txt"):
+        assert "aten::" in (tmp_path / "out" / name).read_text()

@@ -1,0 +1,139 @@
+"""Where the log-prob and update passes spend their time: achieved TFLOP/s and the top kernels.
+
+    torchrun --nproc_per_node=1 bench/profile_step.py --model M [--out DIR]
+
+Builds GSM8K-shaped sequences (prompts of 105 tokens, responses of 20-512 tokens, mean 266, random
+ids), loads the policy as train_grpo.py does (FSDP2, bf16 compute, packed sequences with varlen
+attention) and measures, per token budget of a micro-batch:
+- the log-prob pass over all sequences (no gradient), as `old_log_prob` runs it;
+- forward + backward of a GRPO-like loss over a mini-batch, as `update_actor` runs it (no optimizer step);
+each as TFLOP/s and MFU with the trainer's own FLOP count (train_grpo.phase_perf). Then it profiles one
+micro-batch of each and prints the operators that take the most device time (also written to
+--out as profile_*.txt). On CPU it runs the same code on whatever --model is, for a smoke test.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import train_grpo  # noqa: E402
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_samples(n, vocab, max_response_length, seed=0):
+    """n (prompt, response) pairs: 105-token prompts, responses uniform in 20..max_response_length."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(20, max_response_length + 1, (n,), generator=g)
+    return [(torch.randint(100, vocab, (105,), generator=g).tolist(),
+             torch.randint(100, vocab, (int(k),), generator=g).tolist()) for k in lengths]
+
+
+def log_prob_pass(model, samples, budget, device):
+    sync(device)
+    t = time.perf_counter()
+    T = max(len(r) for _, r in samples)
+    train_grpo.batched_log_probs(model, samples, 8, 1.0, True, T, budget)
+    sync(device)
+    return time.perf_counter() - t
+
+
+def update_pass(model, samples, budget, device):
+    """Forward + backward of a token-mean loss on every micro-batch (gradients accumulate)."""
+    sync(device)
+    t = time.perf_counter()
+    for idx in train_grpo.micro_batches(samples, 8, budget):
+        log_probs, entropy = train_grpo.forward_log_probs(model, [samples[i] for i in idx], 1.0, True,
+                                                          with_entropy=True, entropy_grad=False)
+        (-log_probs.sum() / 1e6).backward()
+    sync(device)
+    dt = time.perf_counter() - t
+    model.zero_grad(set_to_none=True)
+    return dt
+
+
+def top_ops(fn, device, path, rows=25):
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=rows)
+    if path:
+        with open(path, "w") as f:
+            f.write(table)
+    return table
+
+
+def main(a):
+    rank, world, device = train_grpo.init_distributed()
+    args = train_grpo.Args(model=a.model, enable_gradient_checkpointing=a.gradient_checkpointing)
+    model = train_grpo.load_policy(a.model, device, True, False, args)
+    config = model.config
+    peak = train_grpo.measure_peak_flops(device)
+    samples = make_samples(a.sequences, config.vocab_size, a.max_response_length)
+    mini = samples[:a.mini_batch]
+    tokens = lambda s: sum(len(p) + len(r) for p, r in s)  # noqa: E731
+    seq_len = tokens(samples) / len(samples)
+    print(f"{torch.cuda.get_device_name(0) if device.type == 'cuda' else 'CPU'}, {a.model}, "
+          f"{len(samples)} sequences of mean length {seq_len:.0f}, gradient checkpointing "
+          f"{a.gradient_checkpointing}, peak {peak / 1e12:.0f} TFLOP/s", flush=True)
+    print(f"{'pass':10s} {'tokens/micro':>12s} {'seconds':>8s} {'TFLOP/s':>8s} {'MFU':>6s}", flush=True)
+    results = {}
+    for budget in a.log_prob_tokens:
+        log_prob_pass(model, samples[:64], budget, device)  # warm-up
+        dt = statistics.median(log_prob_pass(model, samples, budget, device) for _ in range(a.repeats))
+        perf = train_grpo.phase_perf({"timing_s/old_log_prob": dt}, config, seq_len, tokens(samples),
+                                     sum(len(r) for _, r in samples), peak, 1, 0)
+        results[("log_prob", budget)] = perf
+        print(f"{'log_prob':10s} {budget:>12d} {dt:>8.2f} {perf['perf/tflops/old_log_prob']:>8.0f} "
+              f"{perf['perf/mfu/old_log_prob']:>6.1%}", flush=True)
+    for budget in a.update_tokens:
+        update_pass(model, mini[:32], budget, device)  # warm-up
+        dt = statistics.median(update_pass(model, mini, budget, device) for _ in range(a.repeats))
+        perf = train_grpo.phase_perf({"timing_s/update_actor": dt}, config, seq_len, tokens(mini),
+                                     sum(len(r) for _, r in mini), peak, 1, 0)
+        print(f"{'update':10s} {budget:>12d} {dt:>8.2f} {perf['perf/tflops/actor']:>8.0f} "
+              f"{perf['perf/mfu/actor']:>6.1%}", flush=True)
+    out = a.out
+    if out:
+        os.makedirs(out, exist_ok=True)
+    first = lambda budget: train_grpo.micro_batches(samples, 8, budget)[0]  # noqa: E731
+    lp_idx, up_idx = first(a.log_prob_tokens[-1]), first(a.update_tokens[-1])
+    with torch.no_grad():
+        print("\nlog-prob micro-batch, top operators by device time:\n" + top_ops(
+            lambda: train_grpo.forward_log_probs(model, [samples[i] for i in lp_idx], 1.0, True, False), device,
+            out and os.path.join(out, "profile_log_prob.txt")), flush=True)
+
+    def one_update():
+        log_probs, _ = train_grpo.forward_log_probs(model, [samples[i] for i in up_idx], 1.0, True, False)
+        (-log_probs.sum() / 1e6).backward()
+    print("\nupdate micro-batch (forward + backward), top operators by device time:\n" + top_ops(
+        one_update, device, out and os.path.join(out, "profile_update.txt")), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--sequences", type=int, default=1280, help="sequences of the log-prob pass (a step's)")
+    p.add_argument("--mini_batch", type=int, default=320, help="sequences of the update pass (a mini-batch)")
+    p.add_argument("--log_prob_tokens", type=int, nargs="+", default=[16384, 32768, 65536])
+    p.add_argument("--update_tokens", type=int, nargs="+", default=[8192, 12288, 24576])
+    p.add_argument("--max_response_length", type=int, default=512)
+    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=os.environ.get("OUT"))
+    main(p.parse_args())
