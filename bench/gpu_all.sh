@@ -7,6 +7,7 @@
 #   bash bench/gpu_all.sh learn     # GRPO on GSM8K, resumable across calls (RUNS/learn), + the per-phase table
 #   bash bench/gpu_all.sh val       # --val_only of the base model: strict/flexible greedy mean@1, pass@5
 #   bash bench/gpu_all.sh profile   # log-prob and update passes: TFLOP/s per token budget, top kernels
+#   bash bench/gpu_all.sh qwen3     # 1 GRPO step of the Qwen3-1.7B tutorial shape on a random-init Qwen3-1.7B
 # MODEL (a Hugging Face folder), DATA (GSM8K parquet folder), PY (python), LIMIT (seconds per part),
 # RUNS (a folder that outlives one call, for checkpoints), LEARN_ARGS (extra flags of the learning run).
 set -u
@@ -42,8 +43,15 @@ for part in "$@"; do
     val)    cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data --val_only \
                  --val_n 5 --val_temperature 1.0 --max_response_length 512 --default_local_dir $OUT/val \
                  --resume_mode disable" ;;
+    # the Qwen3 tutorial: 1024 prompts x 3, mini-batch 80, responses up to 1024 (random weights rarely stop)
+    qwen3)  cmd="$PY bench/random_model.py --shape qwen3-1.7b --tokenizer $MODEL --out /tmp/models/random-qwen3-1.7b \
+                 && $PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model /tmp/models/random-qwen3-1.7b \
+                 $data $fast --total_training_steps 1 --val_before_train false --test_freq -1 --export_final false \
+                 --resume_mode disable --train_batch_size 1024 --rollout_n 3 --ppo_mini_batch_size 80 \
+                 --max_response_length 1024 --enable_gradient_checkpointing --ref_param_offload \
+                 --default_local_dir $OUT/qwen3 && $PY bench/phase_table.py $OUT/qwen3/metrics.jsonl $plain" ;;
     profile) cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT" ;;
-    *) echo "unknown part $part (test, engine, grpo, ppo, learn, val, profile)"; exit 2 ;;
+    *) echo "unknown part $part (test, engine, grpo, ppo, learn, val, profile, qwen3)"; exit 2 ;;
   esac
   echo "== $part: $cmd"
   timeout -k 20 "$LIMIT" bash -c "$cmd" > "$OUT/$part.log" 2>&1

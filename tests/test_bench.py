@@ -51,3 +51,19 @@ def test_profile_step_runs_on_a_tiny_model(tmp_path):
     assert "log_prob" in proc.stdout and "update" in proc.stdout and "top operators" in proc.stdout
     for name in ("profile_log_prob.txt", "profile_update.txt"):
         assert "aten::" in (tmp_path / "out" / name).read_text()
+
+
+def test_random_model_has_the_shape_and_the_tokenizer(tmp_path, monkeypatch):
+    import random_model
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tests.tiny_model import make_tiny_model
+    tok_dir = make_tiny_model(str(tmp_path / "tok"))
+    small = dict(random_model.SHAPES["qwen3-1.7b"], vocab_size=320, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    monkeypatch.setitem(random_model.SHAPES, "small-qwen3", small)
+    out = random_model.make("small-qwen3", tok_dir, str(tmp_path / "m"))
+    config = AutoConfig.from_pretrained(out)
+    assert config.model_type == "qwen3" and config.num_key_value_heads == 2 and config.head_dim == 16
+    assert AutoTokenizer.from_pretrained(out).chat_template == AutoTokenizer.from_pretrained(tok_dir).chat_template
+    assert not os.path.exists(out + ".tmp")
