@@ -34,13 +34,17 @@ bench-engine:
 	$(PY) bench/bench_engine.py --plain --out $(BENCH_OUT) $(ARGS)
 	$(PY) -m torch.distributed.run --nproc_per_node=1 bench/bench_engine.py --out $(BENCH_OUT) $(ARGS)
 
-# A few GRPO steps of the tutorial's shape on GPU, then the per-phase table (docs/benchmarks.md).
+# A few GRPO steps of the tutorial's shape on GPU, then the per-phase table (docs/benchmarks.md);
+# micro-batches by token budget, as the measured runs. PLAIN: standalone vLLM's tokens/s, or the
+# bench_engine.json of `make bench-engine`, for the speed of light.
 MODEL ?= Qwen/Qwen2.5-0.5B-Instruct
+PLAIN ?= $(wildcard $(BENCH_OUT)/bench_engine.json)
 bench:
 	$(PY) -m torch.distributed.run --nproc_per_node=$(NPROC) train_grpo.py --model $(MODEL) \
 	  --total_training_steps 3 --val_before_train false --test_freq -1 --export_final false \
+	  --use_dynamic_bsz --ppo_max_token_len_per_gpu 12288 --log_prob_max_token_len_per_gpu 32768 \
 	  --resume_mode disable --default_local_dir $(BENCH_OUT)/grpo $(ARGS)
-	$(PY) bench/phase_table.py $(BENCH_OUT)/grpo/metrics.jsonl
+	$(PY) bench/phase_table.py $(BENCH_OUT)/grpo/metrics.jsonl $(if $(PLAIN),--plain_tok_s $(PLAIN))
 
 # Where the log-prob and update passes spend their time (TFLOP/s per token budget, top kernels).
 bench-profile:
