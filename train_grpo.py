@@ -216,8 +216,8 @@ def collate(samples, packed, device):
     Padded: prompts left-padded, responses right-padded, logits kept for the last T+1 positions.
     Packed (`--use_remove_padding`): all sequences in one row, positions restarting per sequence,
     segment bounds `cu_seq_lens` for variable-length attention (`sharding.packed_attention`), logits
-    kept only where a response token is predicted. `unpack` = (rows, cols, b, T): response token k sits at [rows[k], cols[k]] of a
-    (b, T) result, T = longest response, in the order of the kept logits.
+    kept only where a response token is predicted. `unpack` = (rows, cols, b, T): response token k
+    sits at [rows[k], cols[k]] of a (b, T) result, T = longest response, in the order of the kept logits.
     """
     T = max(max(len(r) for _, r in samples), 1)
     rows = torch.tensor([i for i, (_, r) in enumerate(samples) for _ in r], device=device)
@@ -290,24 +290,34 @@ def micro_batches(samples, size, max_tokens=None):
         return [sorted(g) for g in groups], max(loads)
 
     k = max(1, -(-sum(lengths) // max_tokens))
-    while k < len(lengths) and fill(k)[1] > max_tokens:
+    groups, load = fill(k)
+    while k < len(lengths) and load > max_tokens:
         k += 1
-    if dist.is_initialized():
+        groups, load = fill(k)
+    if dist.is_initialized():  # the most groups any rank needs (never more than its sequences: equal counts)
         k_all = torch.tensor(k, device="cuda" if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(k_all, op=dist.ReduceOp.MAX)
-        k = int(k_all)
-    return fill(min(k, len(lengths)))[0]
+        if int(k_all) != k:
+            groups, _ = fill(min(int(k_all), len(lengths)))
+    return groups
 
 
 @torch.no_grad()
-def batched_log_probs(model, samples, micro, temperature, packed, T, max_tokens=None):
-    """Log-probs (N, T) of a rank's sequences, in micro-batches (same count on every rank)."""
+def batched(forward, samples, micro, T, max_tokens=None):
+    """`forward` (a list of samples -> (b, T_b)) over a rank's sequences in micro-batches (same count
+    on every rank), gathered into one (N, T) in the order of `samples`."""
     out = None
     for idx in micro_batches(samples, micro, max_tokens):
-        lp, _ = forward_log_probs(model, [samples[i] for i in idx], temperature, packed, False)
-        out = lp.new_zeros(len(samples), T) if out is None else out
-        out[idx, :lp.shape[1]] = lp
+        x = forward([samples[i] for i in idx])
+        out = x.new_zeros(len(samples), T) if out is None else out
+        out[idx, :x.shape[1]] = x
     return out
+
+
+def batched_log_probs(model, samples, micro, temperature, packed, T, max_tokens=None):
+    """Log-probs (N, T) of a rank's sequences, in micro-batches."""
+    return batched(lambda s: forward_log_probs(model, s, temperature, packed, False)[0], samples, micro, T,
+                   max_tokens)
 
 
 def all_sum(*values, device):

@@ -51,18 +51,9 @@ def prompts_for(model_path, count, seed=0):
 
 def random_qwen25_05b(path):
     """A random-init model with Qwen2.5-0.5B-Instruct's shape (494M parameters, tied embeddings)."""
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from random_model import make
     from tests.tiny import make_tiny_tokenizer
-    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                         tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                         eos_token_id=151645, pad_token_id=151643)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
-    make_tiny_tokenizer().save_pretrained(path)
-    return path
+    return make("qwen2.5-0.5b", make_tiny_tokenizer(), path)
 
 
 def plain_vllm(args):

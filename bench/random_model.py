@@ -28,6 +28,7 @@ SHAPES = {
 
 
 def make(shape, tokenizer, out, seed=0):
+    """Write the model of `shape` with `tokenizer` (a folder, or a tokenizer object) to `out`."""
     if os.path.exists(os.path.join(out, "config.json")):
         return out
     kwargs = dict(SHAPES[shape])
@@ -36,7 +37,7 @@ def make(shape, tokenizer, out, seed=0):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     tmp = out + ".tmp"
     model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(tmp)
+    (AutoTokenizer.from_pretrained(tokenizer) if isinstance(tokenizer, str) else tokenizer).save_pretrained(tmp)
     os.replace(tmp, out)
     return out
 
