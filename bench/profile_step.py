@@ -7,9 +7,11 @@ ids), loads the policy as train_grpo.py does (FSDP2, bf16 compute, packed sequen
 attention) and measures, per token budget of a micro-batch:
 - the log-prob pass over all sequences (no gradient), as `old_log_prob` runs it;
 - forward + backward of a GRPO-like loss over a mini-batch, as `update_actor` runs it (no optimizer step);
-each as TFLOP/s and MFU with the trainer's own FLOP count (train_grpo.phase_perf). Then it profiles one
-micro-batch of each and prints the operators that take the most device time (also written to
---out as profile_*.txt). On CPU it runs the same code on whatever --model is, for a smoke test.
+each as TFLOP/s and MFU with the trainer's own FLOP count (train_grpo.phase_perf), once per --modes entry:
+`eager` (no torch.compile), `logits` (--use_torch_compile: the log-prob / entropy math compiled),
+`all` (that and --compile_layers). Then it profiles one micro-batch of each pass in the last mode and
+prints the operators that take the most device time (also written to --out as profile_*.txt). On CPU
+it runs the same code on whatever --model is, for a smoke test.
 """
 
 import argparse
@@ -77,41 +79,55 @@ def top_ops(fn, device, path, rows=25):
     return table
 
 
+def load(a, mode, device):
+    """The policy as train_grpo.py loads it, with the torch.compile choices of `mode`."""
+    eager = dict(log_probs=train_grpo.token_log_probs, entropy=train_grpo.token_entropy)
+    train_grpo.LOGITS_MATH.update(eager)
+    if mode in ("logits", "all"):
+        train_grpo.compile_logits_math()
+    args = train_grpo.Args(model=a.model, enable_gradient_checkpointing=a.gradient_checkpointing,
+                           compile_layers=mode == "all")
+    return train_grpo.load_policy(a.model, device, True, False, args)
+
+
 def main(a):
     rank, world, device = train_grpo.init_distributed()
-    args = train_grpo.Args(model=a.model, enable_gradient_checkpointing=a.gradient_checkpointing)
-    model = train_grpo.load_policy(a.model, device, True, False, args)
-    config = model.config
     peak = train_grpo.measure_peak_flops(device)
-    samples = make_samples(a.sequences, config.vocab_size, a.max_response_length)
-    mini = samples[:a.mini_batch]
-    tokens = lambda s: sum(len(p) + len(r) for p, r in s)  # noqa: E731
-    seq_len = tokens(samples) / len(samples)
-    print(f"{torch.cuda.get_device_name(0) if device.type == 'cuda' else 'CPU'}, {a.model}, "
-          f"{len(samples)} sequences of mean length {seq_len:.0f}, gradient checkpointing "
-          f"{a.gradient_checkpointing}, peak {peak / 1e12:.0f} TFLOP/s", flush=True)
-    print(f"{'pass':10s} {'tokens/micro':>12s} {'seconds':>8s} {'TFLOP/s':>8s} {'MFU':>6s}", flush=True)
-    results = {}
-    for budget in a.log_prob_tokens:
-        log_prob_pass(model, samples[:64], budget, device)  # warm-up
-        dt = statistics.median(log_prob_pass(model, samples, budget, device) for _ in range(a.repeats))
-        perf = train_grpo.phase_perf({"timing_s/old_log_prob": dt}, config, seq_len, tokens(samples),
-                                     sum(len(r) for _, r in samples), peak, 1, 0)
-        results[("log_prob", budget)] = perf
-        print(f"{'log_prob':10s} {budget:>12d} {dt:>8.2f} {perf['perf/tflops/old_log_prob']:>8.0f} "
-              f"{perf['perf/mfu/old_log_prob']:>6.1%}", flush=True)
-    for budget in a.update_tokens:
-        update_pass(model, mini[:32], budget, device)  # warm-up
-        dt = statistics.median(update_pass(model, mini, budget, device) for _ in range(a.repeats))
-        perf = train_grpo.phase_perf({"timing_s/update_actor": dt}, config, seq_len, tokens(mini),
-                                     sum(len(r) for _, r in mini), peak, 1, 0)
-        print(f"{'update':10s} {budget:>12d} {dt:>8.2f} {perf['perf/tflops/actor']:>8.0f} "
-              f"{perf['perf/mfu/actor']:>6.1%}", flush=True)
+    model = None
+    print(f"{'mode':7s} {'pass':9s} {'tokens/micro':>12s} {'first s':>8s} {'seconds':>8s} {'TFLOP/s':>8s} "
+          f"{'MFU':>6s}", flush=True)
+    for mode in a.modes:
+        del model
+        model = load(a, mode, device)
+        config = model.config
+        samples = make_samples(a.sequences, config.vocab_size, a.max_response_length)
+        mini = samples[:a.mini_batch]
+        tokens = lambda s: sum(len(p) + len(r) for p, r in s)  # noqa: E731
+        seq_len = tokens(samples) / len(samples)
+        if mode == a.modes[0]:
+            print(f"# {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'CPU'}, {a.model}, "
+                  f"{len(samples)} sequences of mean length {seq_len:.0f}, gradient checkpointing "
+                  f"{a.gradient_checkpointing}, peak {peak / 1e12:.0f} TFLOP/s; 'first s' includes compiling",
+                  flush=True)
+        for budget in a.log_prob_tokens:
+            first = log_prob_pass(model, samples, budget, device)  # warm-up (and compile)
+            dt = statistics.median(log_prob_pass(model, samples, budget, device) for _ in range(a.repeats))
+            perf = train_grpo.phase_perf({"timing_s/old_log_prob": dt}, config, seq_len, tokens(samples),
+                                         sum(len(r) for _, r in samples), peak, 1, 0)
+            print(f"{mode:7s} {'log_prob':9s} {budget:>12d} {first:>8.2f} {dt:>8.2f} "
+                  f"{perf['perf/tflops/old_log_prob']:>8.0f} {perf['perf/mfu/old_log_prob']:>6.1%}", flush=True)
+        for budget in a.update_tokens:
+            first = update_pass(model, mini, budget, device)  # warm-up (and compile)
+            dt = statistics.median(update_pass(model, mini, budget, device) for _ in range(a.repeats))
+            perf = train_grpo.phase_perf({"timing_s/update_actor": dt}, config, seq_len, tokens(mini),
+                                         sum(len(r) for _, r in mini), peak, 1, 0)
+            print(f"{mode:7s} {'update':9s} {budget:>12d} {first:>8.2f} {dt:>8.2f} "
+                  f"{perf['perf/tflops/actor']:>8.0f} {perf['perf/mfu/actor']:>6.1%}", flush=True)
     out = a.out
     if out:
         os.makedirs(out, exist_ok=True)
-    first = lambda budget: train_grpo.micro_batches(samples, 8, budget)[0]  # noqa: E731
-    lp_idx, up_idx = first(a.log_prob_tokens[-1]), first(a.update_tokens[-1])
+    lp_idx = train_grpo.micro_batches(samples, 8, a.log_prob_tokens[-1])[0]
+    up_idx = train_grpo.micro_batches(mini, 8, a.update_tokens[-1])[0]
     with torch.no_grad():
         print("\nlog-prob micro-batch, top operators by device time:\n" + top_ops(
             lambda: train_grpo.forward_log_probs(model, [samples[i] for i in lp_idx], 1.0, True, False), device,
@@ -134,6 +150,7 @@ if __name__ == "__main__":
     p.add_argument("--update_tokens", type=int, nargs="+", default=[8192, 12288, 24576])
     p.add_argument("--max_response_length", type=int, default=512)
     p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--modes", nargs="+", default=["eager", "logits", "all"], choices=["eager", "logits", "all"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=os.environ.get("OUT"))
     main(p.parse_args())

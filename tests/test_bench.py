@@ -35,7 +35,8 @@ def test_table_and_summary(tmp_path, capsys):
 
 
 def test_profile_step_runs_on_a_tiny_model(tmp_path):
-    """bench/profile_step.py end to end on CPU: the table of passes and both operator profiles."""
+    """bench/profile_step.py end to end on CPU: the table of passes, eager and compiled, and both
+    operator profiles."""
     import subprocess
 
     from tests.tiny_model import make_tiny_model
@@ -45,10 +46,12 @@ def test_profile_step_runs_on_a_tiny_model(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
                            "--master_port", "29713", "bench/profile_step.py", "--model", model, "--sequences", "8",
                            "--mini_batch", "4", "--max_response_length", "32", "--log_prob_tokens", "512",
-                           "--update_tokens", "256", "--repeats", "1", "--out", str(tmp_path / "out")],
+                           "--update_tokens", "256", "--repeats", "1", "--modes", "eager", "all", "--out", str(tmp_path / "out")],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "log_prob" in proc.stdout and "update" in proc.stdout and "top operators" in proc.stdout
+    rows = [line.split()[:2] for line in proc.stdout.splitlines() if line.startswith(("eager", "all"))]
+    assert rows == [["eager", "log_prob"], ["eager", "update"], ["all", "log_prob"], ["all", "update"]], proc.stdout
+    assert "top operators" in proc.stdout
     for name in ("profile_log_prob.txt", "profile_update.txt"):
         assert "aten::" in (tmp_path / "out" / name).read_text()
 

@@ -109,9 +109,10 @@ def two_step_run(assets, engine, *extra):
 
 
 @pytest.fixture(scope="module")
-def hf_run(assets):  # micro-batches by token budget (same count on both ranks); the vLLM run by count
-    return two_step_run(assets, "hf", "--use_dynamic_bsz", "--ppo_max_token_len_per_gpu", "300",
-                        "--log_prob_max_token_len_per_gpu", "300")
+def hf_run(assets):  # micro-batches by token budget (same count on both ranks), compiled; the vLLM run
+    return two_step_run(assets, "hf", "--use_dynamic_bsz", "--ppo_max_token_len_per_gpu", "300",  # by count, eager
+                        "--log_prob_max_token_len_per_gpu", "300", "--use_torch_compile", "true",
+                        "--compile_layers", "true")
 
 
 @pytest.fixture(scope="module")

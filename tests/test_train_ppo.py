@@ -89,8 +89,8 @@ def hf_run(assets):  # micro-batches by token budget (same count on both ranks);
 
 
 @pytest.fixture(scope="module")
-def vllm_run(assets):
-    return two_step_run(assets, "vllm")
+def vllm_run(assets):  # actor, reference and critic compiled (the hf run stays eager)
+    return two_step_run(assets, "vllm", "--use_torch_compile", "true", "--compile_layers", "true")
 
 
 def check_metrics(m, names, step):
