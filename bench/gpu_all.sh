@@ -2,14 +2,16 @@
 # The GPU checks and benchmarks, each with a time limit, logs and results under $OUT (default bench_out):
 #   bash bench/gpu_all.sh test      # make test-gpu: the engine's checks with NCCL, bf16, level-2 sleep
 #   bash bench/gpu_all.sh engine    # bench_engine: plain vLLM vs ours, sync, sleep/wake, memory, parity
+#   bash bench/gpu_all.sh sync      # bench_engine without the plain vLLM run (ours, sync, sleep/wake, parity)
 #   bash bench/gpu_all.sh grpo      # 3 GRPO steps of the tutorial shape + the per-phase table
 #   bash bench/gpu_all.sh ppo       # 3 PPO steps of the quickstart shape + the per-phase table
-#   bash bench/gpu_all.sh learn     # GRPO on GSM8K, resumable across calls (RUNS/learn), + the per-phase table
+#   bash bench/gpu_all.sh learn     # GRPO on GSM8K, resumable across calls (LEARN_DIR), + the per-phase table
 #   bash bench/gpu_all.sh val       # --val_only of the base model: strict/flexible greedy mean@1, pass@5
-#   bash bench/gpu_all.sh profile   # log-prob and update passes: TFLOP/s per token budget, top kernels
+#   bash bench/gpu_all.sh profile   # log-prob and update passes, eager and compiled: TFLOP/s, top kernels
 #   bash bench/gpu_all.sh qwen3     # 1 GRPO step of the Qwen3-1.7B tutorial shape on a random-init Qwen3-1.7B
 # MODEL (a Hugging Face folder), DATA (GSM8K parquet folder), PY (python), LIMIT (seconds per part),
-# RUNS (a folder that outlives one call, for checkpoints), LEARN_ARGS (extra flags of the learning run).
+# RUNS (a folder that outlives one call, for checkpoints), LEARN_DIR (the learning run's folder, default
+# RUNS/learn), LEARN_ARGS (extra flags of the learning run; a flag given twice takes the last value).
 set -u
 OUT=${OUT:-bench_out}
 MODEL=${MODEL:-/tmp/models/qwen2.5-coder-0.5b-instruct}
@@ -17,6 +19,7 @@ DATA=${DATA:-/tmp/data/gsm8k}
 PY=${PY:-python3}
 LIMIT=${LIMIT:-540}
 RUNS=${RUNS:-/tmp/runs}
+LEARN_DIR=${LEARN_DIR:-$RUNS/learn}
 LEARN_ARGS=${LEARN_ARGS:-}
 mkdir -p "$OUT"
 # micro-batches by token budget: few, large forwards (the sequences are packed, attention is varlen)
@@ -30,6 +33,7 @@ for part in "$@"; do
     test)   cmd="GPU_TEST_MODEL=$MODEL $PY -m pytest tests/gpu -q -s" ;;
     engine) cmd="$PY bench/bench_engine.py --plain --model $MODEL --out $OUT && \
                  $PY -m torch.distributed.run --nproc_per_node=1 bench/bench_engine.py --model $MODEL --out $OUT" ;;
+    sync)   cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/bench_engine.py --model $MODEL --out $OUT" ;;
     grpo)   cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data $steps $fast \
                  --default_local_dir $OUT/grpo && $PY bench/phase_table.py $OUT/grpo/metrics.jsonl $plain" ;;
     ppo)    cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_ppo.py --model $MODEL $data $steps $fast \
@@ -39,7 +43,7 @@ for part in "$@"; do
     # by LIMIT, resumed by the next call
     learn)  cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data $fast \
                  --max_response_length 512 --actor_lr 5e-6 --total_training_steps 29 --test_freq 4 --save_freq 4 \
-                 --export_final false --resume_mode auto --default_local_dir $RUNS/learn $LEARN_ARGS" ;;
+                 --export_final false --resume_mode auto --default_local_dir $LEARN_DIR $LEARN_ARGS" ;;
     val)    cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data --val_only \
                  --val_n 5 --val_temperature 1.0 --max_response_length 512 --default_local_dir $OUT/val \
                  --resume_mode disable" ;;
@@ -50,14 +54,15 @@ for part in "$@"; do
                  --resume_mode disable --train_batch_size 1024 --rollout_n 3 --ppo_mini_batch_size 80 \
                  --max_response_length 1024 --enable_gradient_checkpointing --ref_param_offload \
                  --default_local_dir $OUT/qwen3 && $PY bench/phase_table.py $OUT/qwen3/metrics.jsonl $plain" ;;
-    profile) cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT" ;;
-    *) echo "unknown part $part (test, engine, grpo, ppo, learn, val, profile, qwen3)"; exit 2 ;;
+    profile) cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT \
+                  --log_prob_tokens 32768 --update_tokens 12288 --repeats 2" ;;
+    *) echo "unknown part $part (test, engine, sync, grpo, ppo, learn, val, profile, qwen3)"; exit 2 ;;
   esac
   echo "== $part: $cmd"
   timeout -k 20 "$LIMIT" bash -c "$cmd" > "$OUT/$part.log" 2>&1
   echo "== $part: exit $?"
-  if [ "$part" = learn ] && [ -f "$RUNS/learn/metrics.jsonl" ]; then
-    cp "$RUNS/learn/metrics.jsonl" "$OUT/learn_metrics.jsonl"
+  if [ "$part" = learn ] && [ -f "$LEARN_DIR/metrics.jsonl" ]; then
+    cp "$LEARN_DIR/metrics.jsonl" "$OUT/learn_metrics.jsonl"
     $PY bench/phase_table.py "$OUT/learn_metrics.jsonl" $plain >> "$OUT/learn.log" 2>&1
     grep -h '"step": ' "$OUT/learn_metrics.jsonl" | $PY -c "import json,sys
 for r in map(json.loads, sys.stdin):

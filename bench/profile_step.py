@@ -93,7 +93,7 @@ def load(a, mode, device):
 def main(a):
     rank, world, device = train_grpo.init_distributed()
     peak = train_grpo.measure_peak_flops(device)
-    model = None
+    model, reference = None, None
     print(f"{'mode':7s} {'pass':9s} {'tokens/micro':>12s} {'first s':>8s} {'seconds':>8s} {'TFLOP/s':>8s} "
           f"{'MFU':>6s}", flush=True)
     for mode in a.modes:
@@ -109,6 +109,12 @@ def main(a):
                   f"{len(samples)} sequences of mean length {seq_len:.0f}, gradient checkpointing "
                   f"{a.gradient_checkpointing}, peak {peak / 1e12:.0f} TFLOP/s; 'first s' includes compiling",
                   flush=True)
+        # the same numbers whatever compiles: log-probs of 16 sequences against the first mode's
+        with torch.no_grad():
+            check = train_grpo.forward_log_probs(model, samples[:16], 1.0, True, False)[0]
+        reference = check if reference is None else reference
+        print(f"# {mode}: max |log-prob - {a.modes[0]}'s| over 16 sequences: "
+              f"{(check - reference).abs().max().item():.3g}", flush=True)
         for budget in a.log_prob_tokens:
             first = log_prob_pass(model, samples, budget, device)  # warm-up (and compile)
             dt = statistics.median(log_prob_pass(model, samples, budget, device) for _ in range(a.repeats))
