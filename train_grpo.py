@@ -226,13 +226,14 @@ def token_entropy(logits, temperature):
 
 # The two passes over the (K, V) logits. Eagerly each runs as several kernels, each writing a (K, V)
 # fp32 tensor; at a vocabulary of 152k they cost more than the lm_head matmul itself.
-# `--use_torch_compile` (verl's flag) swaps in compiled versions that read the bf16 logits once.
+# `--use_torch_compile` (verl's flag) swaps in versions compiled for the passes without gradients
+# (sharding.no_grad_compiled), which read the bf16 logits once.
 LOGITS_MATH = {"log_probs": token_log_probs, "entropy": token_entropy}
 
 
 def compile_logits_math():
-    LOGITS_MATH.update(log_probs=torch.compile(token_log_probs, dynamic=True),
-                       entropy=torch.compile(token_entropy, dynamic=True))
+    LOGITS_MATH.update(log_probs=sharding.no_grad_compiled(token_log_probs),
+                       entropy=sharding.no_grad_compiled(token_entropy))
 
 
 def gpu_default(flag, device):

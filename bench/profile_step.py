@@ -9,7 +9,9 @@ attention) and measures, per token budget of a micro-batch:
 - forward + backward of a GRPO-like loss over a mini-batch, as `update_actor` runs it (no optimizer step);
 each as TFLOP/s and MFU with the trainer's own FLOP count (train_grpo.phase_perf), once per --modes entry:
 `eager` (no torch.compile), `logits` (--use_torch_compile: the log-prob / entropy math compiled),
-`all` (that and --compile_layers). Then it profiles one micro-batch of each pass in the last mode and
+`all` (that and --compile_layers). Both compile only what runs without gradients (the trainer's
+choice, see sharding.no_grad_compiled): the update pass differs between modes only in its entropy
+metric. Then it profiles one micro-batch of each pass in the last mode and
 prints the operators that take the most device time (also written to --out as profile_*.txt). On CPU
 it runs the same code on whatever --model is, for a smoke test.
 """

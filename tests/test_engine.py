@@ -233,6 +233,37 @@ def test_fsdp2_step_equals_unsharded(ranks):
         assert r["param_diff"] < 5e-5 and r["param_diff_gc"] < 5e-5
 
 
+SINGLE_RANK = """
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, os.getcwd())
+import sharding
+from transformers import AutoModelForCausalLM
+from tests.tiny_model import tiny_config
+dist.init_process_group("gloo", rank=0, world_size=1)
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(tiny_config(tie=False))
+expected = {k: v.clone() for k, v in model.state_dict().items()}
+sharding.apply_fsdp2(model, param_dtype=torch.float32)
+params = {sharding.hf_name(n): p for n, p in model.named_parameters()}
+for dtype in (None, torch.bfloat16):
+    full = dict(sharding.iter_full_tensors(model, dtype=dtype))
+    assert sorted(full) == sorted(expected), sorted(set(full) ^ set(expected))
+    for name, tensor in full.items():
+        assert type(tensor) is torch.Tensor and tensor.dtype == (dtype or torch.float32), name
+        assert torch.equal(tensor, expected[name].to(tensor.dtype)), name
+        assert tensor.data_ptr() != params[name].to_local().data_ptr(), name + " aliases the parameter"
+print("OK")
+"""
+
+
+def test_iter_full_tensors_on_one_rank_copies_without_a_collective(tmp_path):
+    """World size 1 (one GPU) takes the shortcut past DTensor: same names and values, new tensors."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29731"}
+    proc = subprocess.run([sys.executable, "-c", SINGLE_RANK], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
 def test_iter_full_tensors_equals_unsharded_state_dict(ranks):
     for r in ranks:
         for tag in ("plain", "gc"):  # gc: gradient checkpointing on
