@@ -55,7 +55,7 @@ for part in "$@"; do
                  --max_response_length 1024 --enable_gradient_checkpointing --ref_param_offload \
                  --default_local_dir $OUT/qwen3 && $PY bench/phase_table.py $OUT/qwen3/metrics.jsonl $plain" ;;
     profile) cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT \
-                  --log_prob_tokens 32768 --update_tokens 12288 --repeats 2" ;;
+                  --modes eager all --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 --repeats 2" ;;
     *) echo "unknown part $part (test, engine, sync, grpo, ppo, learn, val, profile, qwen3)"; exit 2 ;;
   esac
   echo "== $part: $cmd"

@@ -97,7 +97,7 @@ def main(a):
     peak = train_grpo.measure_peak_flops(device)
     model, reference = None, None
     print(f"{'mode':7s} {'pass':9s} {'tokens/micro':>12s} {'first s':>8s} {'seconds':>8s} {'TFLOP/s':>8s} "
-          f"{'MFU':>6s}", flush=True)
+          f"{'MFU':>6s} {'peak GB':>8s}", flush=True)
     for mode in a.modes:
         del model
         model = load(a, mode, device)
@@ -115,22 +115,32 @@ def main(a):
         with torch.no_grad():
             check = train_grpo.forward_log_probs(model, samples[:16], 1.0, True, False)[0]
         reference = check if reference is None else reference
-        print(f"# {mode}: max |log-prob - {a.modes[0]}'s| over 16 sequences: "
-              f"{(check - reference).abs().max().item():.3g}", flush=True)
+        diff = (check - reference).abs()
+        print(f"# {mode}: |log-prob - {a.modes[0]}'s| over 16 sequences: max {diff.max().item():.3g}, "
+              f"mean {diff.sum().item() / max(1, int((check != 0).sum())):.3g}", flush=True)
+
+        def measure(name, run, seqs, budget, phase, key):
+            """One row: first call (with compiling), median of --repeats, MFU, peak memory; a budget
+            that does not fit prints as such and the sweep goes on."""
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                first = run(model, seqs, budget, device)
+                dt = statistics.median(run(model, seqs, budget, device) for _ in range(a.repeats))
+            except torch.OutOfMemoryError:
+                model.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                print(f"{mode:7s} {name:9s} {budget:>12d} out of memory", flush=True)
+                return
+            perf = train_grpo.phase_perf({f"timing_s/{phase}": dt}, config, seq_len, tokens(seqs),
+                                         sum(len(r) for _, r in seqs), peak, 1, 0)
+            mem = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else float("nan")
+            print(f"{mode:7s} {name:9s} {budget:>12d} {first:>8.2f} {dt:>8.2f} {perf[f'perf/tflops/{key}']:>8.0f} "
+                  f"{perf[f'perf/mfu/{key}']:>6.1%} {mem:>8.1f}", flush=True)
         for budget in a.log_prob_tokens:
-            first = log_prob_pass(model, samples, budget, device)  # warm-up (and compile)
-            dt = statistics.median(log_prob_pass(model, samples, budget, device) for _ in range(a.repeats))
-            perf = train_grpo.phase_perf({"timing_s/old_log_prob": dt}, config, seq_len, tokens(samples),
-                                         sum(len(r) for _, r in samples), peak, 1, 0)
-            print(f"{mode:7s} {'log_prob':9s} {budget:>12d} {first:>8.2f} {dt:>8.2f} "
-                  f"{perf['perf/tflops/old_log_prob']:>8.0f} {perf['perf/mfu/old_log_prob']:>6.1%}", flush=True)
+            measure("log_prob", log_prob_pass, samples, budget, "old_log_prob", "old_log_prob")
         for budget in a.update_tokens:
-            first = update_pass(model, mini, budget, device)  # warm-up (and compile)
-            dt = statistics.median(update_pass(model, mini, budget, device) for _ in range(a.repeats))
-            perf = train_grpo.phase_perf({"timing_s/update_actor": dt}, config, seq_len, tokens(mini),
-                                         sum(len(r) for _, r in mini), peak, 1, 0)
-            print(f"{mode:7s} {'update':9s} {budget:>12d} {first:>8.2f} {dt:>8.2f} "
-                  f"{perf['perf/tflops/actor']:>8.0f} {perf['perf/mfu/actor']:>6.1%}", flush=True)
+            measure("update", update_pass, mini, budget, "update_actor", "actor")
     out = a.out
     if out:
         os.makedirs(out, exist_ok=True)
