@@ -9,6 +9,8 @@
 #   bash bench/gpu_all.sh val       # --val_only of the base model: strict/flexible greedy mean@1, pass@5
 #   bash bench/gpu_all.sh profile   # log-prob and update passes, eager and compiled: TFLOP/s, top kernels
 #   bash bench/gpu_all.sh qwen3     # 1 GRPO step of the Qwen3-1.7B tutorial shape on a random-init Qwen3-1.7B
+#   NPROC=2 bash bench/gpu_all.sh scale  # 3 GRPO steps on 1 and NPROC GPUs (TP 1, TP 2), 3 PPO steps on NPROC,
+#                                        # and the scaling table (bench/scaling_table.py)
 # MODEL (a Hugging Face folder), DATA (GSM8K parquet folder), PY (python), LIMIT (seconds per part),
 # RUNS (a folder that outlives one call, for checkpoints), LEARN_DIR (the learning run's folder, default
 # RUNS/learn), LEARN_ARGS (extra flags of the learning run; a flag given twice takes the last value).
@@ -21,6 +23,7 @@ LIMIT=${LIMIT:-540}
 RUNS=${RUNS:-/tmp/runs}
 LEARN_DIR=${LEARN_DIR:-$RUNS/learn}
 LEARN_ARGS=${LEARN_ARGS:-}
+NPROC=${NPROC:-2}
 mkdir -p "$OUT"
 # micro-batches by token budget: few, large forwards (the sequences are packed, attention is varlen)
 fast="--use_dynamic_bsz --ppo_max_token_len_per_gpu 12288 --log_prob_max_token_len_per_gpu 32768"
@@ -54,9 +57,21 @@ for part in "$@"; do
                  --resume_mode disable --train_batch_size 1024 --rollout_n 3 --ppo_mini_batch_size 80 \
                  --max_response_length 1024 --enable_gradient_checkpointing --ref_param_offload \
                  --default_local_dir $OUT/qwen3 && $PY bench/phase_table.py $OUT/qwen3/metrics.jsonl $plain" ;;
+    # the tutorial's shape at 1 and NPROC GPUs (per-GPU batch shrinks: strong scaling of one step),
+    # rollout TP 1 and 2; then PPO on NPROC GPUs
+    scale)  run="$PY -m torch.distributed.run --nproc_per_node"
+        cmd="$run=1 train_grpo.py --model $MODEL $data $steps $fast --default_local_dir $OUT/scale_1_tp1 && \
+             $run=$NPROC train_grpo.py --model $MODEL $data $steps $fast --default_local_dir $OUT/scale_${NPROC}_tp1 && \
+             $run=$NPROC train_grpo.py --model $MODEL $data $steps $fast --tensor_model_parallel_size 2 \
+               --default_local_dir $OUT/scale_${NPROC}_tp2 && \
+             $run=$NPROC train_ppo.py --model $MODEL $data $steps $fast --critic_ppo_max_token_len_per_gpu 32768 \
+               --default_local_dir $OUT/scale_ppo_$NPROC; \
+             $PY bench/phase_table.py $OUT/scale_ppo_$NPROC/metrics.jsonl; \
+             $PY bench/scaling_table.py 1:1:$OUT/scale_1_tp1/metrics.jsonl $NPROC:1:$OUT/scale_${NPROC}_tp1/metrics.jsonl \
+               $NPROC:2:$OUT/scale_${NPROC}_tp2/metrics.jsonl" ;;
     profile) cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT \
                   --modes eager all --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 --repeats 2" ;;
-    *) echo "unknown part $part (test, engine, sync, grpo, ppo, learn, val, profile, qwen3)"; exit 2 ;;
+    *) echo "unknown part $part (test, engine, sync, grpo, ppo, learn, val, profile, qwen3, scale)"; exit 2 ;;
   esac
   echo "== $part: $cmd"
   timeout -k 20 "$LIMIT" bash -c "$cmd" > "$OUT/$part.log" 2>&1

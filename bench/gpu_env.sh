@@ -14,5 +14,8 @@ if [ ! -f /tmp/models/qwen2.5-coder-0.5b-instruct/CONVERTED ] && [ -f /tmp/stage
 fi
 export PYTHONPATH=/tmp/site VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 \
        VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+# multi-GPU hosts there share their GPUs: NVLink multicast stays off (the machines' own setting, kept
+# for every process started from here), and vLLM's tensor-parallel all-reduce does not use it either
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 mkdir -p /tmp/data/gsm8k && cp -n /tmp/stage/train.parquet /tmp/stage/test.parquet /tmp/data/gsm8k/ 2>/dev/null
 ls /tmp/stage | head -30

@@ -1,4 +1,5 @@
-"""bench/phase_table.py: the speed of light of a step, worked by hand, and the printed table."""
+"""bench/: the speed of light of a step and the scaling efficiency, worked by hand; the printed tables;
+profile_step and random_model on a tiny model."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import phase_table  # noqa: E402
+import scaling_table  # noqa: E402
 
 ROW = {"step": 1, "timing_s/gen": 10.0, "timing_s/old_log_prob": 2.0, "timing_s/update_actor": 4.0,
        "timing_s/update_weights": 0.5, "timing_s/step": 17.0, "perf/gen_tokens_per_s": 1000.0,
@@ -32,6 +34,25 @@ def test_table_and_summary(tmp_path, capsys):
     assert "MFU actor" in out and "MFU ref" not in out  # only phases that ran
     # the median over steps after the first: step 2 alone, 15 s against 6.25 s
     assert "median step 15.0 s; speed of light 6.2 s" in out and "2.40x" in out
+
+
+def test_scaling_table_by_hand(tmp_path, capsys):
+    def run(name, thr, steps, gap=0.01):
+        path = tmp_path / f"{name}.jsonl"
+        rows = [ROW | {"step": i + 1, "timing_s/step": t, "perf/throughput": x, "rollout/logprob_gap_mean": gap,
+                       "perf/max_memory_allocated_gb": 10.0 + i}
+                for i, (t, x) in enumerate(zip(steps, thr))]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(path)
+    # the first step is warm-up: medians over steps 2-3. 1 GPU: 1000 tok/s/GPU; 2 GPUs: median(900, 700) = 800
+    one = run("one", [50.0, 1000.0, 1000.0], [30.0, 20.0, 20.0])
+    two = run("two", [50.0, 900.0, 700.0], [30.0, 11.0, 13.0])
+    assert scaling_table.summary(two)["throughput"] == 800.0 and scaling_table.summary(two)["step"] == 12.0
+    assert scaling_table.summary(two)["peak_gb"] == 12.0  # the largest over all steps
+    scaling_table.main([f"1:1:{one}", f"2:2:{two}"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:2] == ["GPUs", "TP"] and "values" not in lines[0]  # only phases that ran
+    assert lines[2].split()[:2] == ["2", "2"] and "0.80" in lines[2].split()  # 800 / 1000
 
 
 def test_profile_step_runs_on_a_tiny_model(tmp_path):
