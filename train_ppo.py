@@ -115,9 +115,9 @@ class Args:
     use_remove_padding: bool = field(default=True, metadata={"help": "pack sequences instead of padding"})
     # speed
     use_torch_compile: bool | None = field(default=None, metadata={"help": "torch.compile the log-prob and entropy "
-                                           "math over the vocabulary (default: on GPU)"})
-    compile_layers: bool | None = field(default=None, metadata={"help": "torch.compile each decoder layer "
-                                        "(default: on GPU)"})
+                                           "math over the vocabulary, where no gradient is taken (default: on GPU)"})
+    compile_layers: bool | None = field(default=None, metadata={"help": "torch.compile each decoder layer, where no "
+                                        "gradient is taken (default: on GPU)"})
     # reward
     custom_reward_function_path: str | None = field(default=None, metadata={"help": "a .py file"})
     custom_reward_function_name: str = field(default="compute_score", metadata={"help": "function in that file"})
@@ -325,7 +325,8 @@ def token_entropy(logits, temperature):
 
 
 # The two passes over the (K, V) logits. Eagerly each runs as several kernels, each writing a (K, V)
-# fp32 tensor; at a vocabulary of 152k they cost more than the lm_head matmul itself.
+# fp32 tensor; at a vocabulary of 152k that costs more than the lm_head matmul itself (on one H200,
+# ~0.5 s of a 2.45 s log-prob pass over a GRPO step's 1,280 responses; docs/benchmarks.md).
 # `--use_torch_compile` (verl's flag) swaps in versions compiled for the passes without gradients
 # (sharding.no_grad_compiled), which read the bf16 logits once.
 LOGITS_MATH = {"log_probs": token_log_probs, "entropy": token_entropy}
