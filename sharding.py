@@ -179,9 +179,9 @@ def compile_layers(model: torch.nn.Module) -> torch.nn.Module:
 
     Eager PyTorch runs each RMSNorm, rotary embedding, SiLU-and-multiply and residual add as its own
     kernels, each a full pass over the activations; at a hidden size of 896 (Qwen2.5-0.5B) those
-    passes cost about as much as the matmuls. Compiled, they fuse into a few kernels. All layers
-    share one compiled graph (same code, parameters passed as inputs), so it compiles once per model
-    kind. Attention stays eager (`packed_attention` opts out), and FSDP2's hooks run in the module
+    passes cost about as much as the matmuls. Compiled, they fuse into a few kernels. All layers of
+    a model share one compiled graph (same code, parameters passed as inputs); a second model whose
+    parameters differ in requires_grad (the frozen reference) compiles its own. Attention stays eager (`packed_attention` opts out), and FSDP2's hooks run in the module
     call around the compiled forward. Parameter names are unchanged. Call before sharding.
     """
     for layer in decoder_layers(model):
