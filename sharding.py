@@ -94,13 +94,11 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
                                       dropout=dropout, **kwargs)
     assert query.shape[0] == 1, "packed attention expects one row"
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (L, H, D)
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: kv head j serves query heads j*r..j*r+r-1
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     out = None
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not _FLASH_FAILED:
         # the kernel behind torch.nn.attention.varlen (whose Python signature changed across torch
-        # releases; this op's did not); it is differentiable in query, key and value
+        # releases; this op's did not); it is differentiable in query, key and value, and takes
+        # grouped-query heads as they are (Hq a multiple of Hkv), without copies of k and v
         try:
             out = torch.ops.aten._flash_attention_forward(q, k, v, cu_seq_lens, cu_seq_lens, max_seq_len,
                                                           max_seq_len, 0.0, True, False, scale=scaling)[0]
@@ -109,6 +107,9 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
             print(f"packed_attention: flash varlen attention unavailable ({e}); attending per sequence instead",
                   flush=True)
     if out is None:
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: kv head j serves query heads j*r..j*r+r-1
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         bounds = cu_seq_lens.tolist()
         out = torch.cat([
             torch.nn.functional.scaled_dot_product_attention(
@@ -159,21 +160,22 @@ def apply_fsdp2(
     return model
 
 
-def no_grad_compiled(fn):
+def no_grad_compiled(fn, with_grad: bool = False):
     """`fn` through `torch.compile` (dynamic shapes) when no gradient is recorded, `fn` itself when one
-    is. Measured on one H200 with Qwen2.5-0.5B (docs/benchmarks.md): compiled, the no-grad log-prob
-    passes ran at 32% MFU instead of 23%; the training forward + backward was no faster compiled (at
-    these sizes the update waits on the CPU: Python, autograd and kernel launches) and compiling it
-    delayed the first step by ~110 s. So only the passes without gradients are compiled."""
+    is (unless `with_grad`: then always compiled). Measured on one H200 with Qwen2.5-0.5B
+    (docs/benchmarks.md): compiled, the no-grad log-prob passes ran at 32% MFU instead of 23%; the
+    training forward + backward was no faster compiled (at these sizes the update waits on the CPU:
+    Python, autograd and kernel launches) and compiling it delayed the first step by ~110 s. So the
+    trainer compiles only the passes without gradients; `with_grad` is there for measuring."""
     compiled = torch.compile(fn, dynamic=True)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        return fn(*args, **kwargs) if torch.is_grad_enabled() else compiled(*args, **kwargs)
+        return fn(*args, **kwargs) if torch.is_grad_enabled() and not with_grad else compiled(*args, **kwargs)
     return call
 
 
-def compile_layers(model: torch.nn.Module) -> torch.nn.Module:
+def compile_layers(model: torch.nn.Module, with_grad: bool = False) -> torch.nn.Module:
     """Regional compilation of each decoder layer's forward, for the passes without gradients (old
     and reference log-probs, values; see `no_grad_compiled`).
 
@@ -181,11 +183,13 @@ def compile_layers(model: torch.nn.Module) -> torch.nn.Module:
     kernels, each a full pass over the activations; at a hidden size of 896 (Qwen2.5-0.5B) those
     passes cost about as much as the matmuls. Compiled, they fuse into a few kernels. All layers of
     a model share one compiled graph (same code, parameters passed as inputs); a second model whose
-    parameters differ in requires_grad (the frozen reference) compiles its own. Attention stays eager (`packed_attention` opts out), and FSDP2's hooks run in the module
-    call around the compiled forward. Parameter names are unchanged. Call before sharding.
+    parameters differ in requires_grad (the frozen reference) compiles its own. Attention stays
+    eager (`packed_attention` opts out), and FSDP2's hooks run in the module call around the
+    compiled forward. Parameter names are unchanged. Call before sharding. `with_grad`: compile
+    the training passes too (see `no_grad_compiled`).
     """
     for layer in decoder_layers(model):
-        layer.forward = no_grad_compiled(layer.forward)
+        layer.forward = no_grad_compiled(layer.forward, with_grad)
     return model
 
 

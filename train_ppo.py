@@ -35,6 +35,8 @@ import sharding
 from data.dataset import load_rl_dataset
 from rollout import group_share, logprob_gap, make_engine
 
+IMPORTED = time.time()
+
 
 @dataclass
 class Args:
@@ -332,9 +334,9 @@ def token_entropy(logits, temperature):
 LOGITS_MATH = {"log_probs": token_log_probs, "entropy": token_entropy}
 
 
-def compile_logits_math():
-    LOGITS_MATH.update(log_probs=sharding.no_grad_compiled(token_log_probs),
-                       entropy=sharding.no_grad_compiled(token_entropy))
+def compile_logits_math(with_grad=False):
+    LOGITS_MATH.update(log_probs=sharding.no_grad_compiled(token_log_probs, with_grad),
+                       entropy=sharding.no_grad_compiled(token_entropy, with_grad))
 
 
 def gpu_default(flag, device):
@@ -523,6 +525,17 @@ def phase_perf(t, config, seq_len, tokens, response_tokens, peak_flops, epochs, 
     if "timing_s/update_weights" in t:
         out["perf/weight_sync_gb_s"] = push_bytes / t["timing_s/update_weights"] / 1e9
     return out
+
+
+def seconds_since_launch():
+    """Wall-clock seconds since this process started (Linux: /proc; elsewhere: since this script was
+    imported, which misses the imports of torch and transformers)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.time() - IMPORTED
 
 
 def measure_peak_flops(device):
@@ -999,6 +1012,7 @@ def main(args):
             "perf/max_memory_allocated_gb": max([v for k, v in t.items() if k.startswith("perf/max_memory")],
                                                 default=0.0),
             "training/global_step": step, "training/epoch": epoch,
+            "timing_s/since_launch": seconds_since_launch(),
         } | t
         metrics |= phase_perf(t, config, seq_len, prompt_tokens + lengths.sum().item(), lengths.sum().item(),
                               peak_flops, args.ppo_epochs, push_bytes)  # no actor MFU during the critic's warm-up

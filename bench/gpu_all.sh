@@ -7,10 +7,13 @@
 #   bash bench/gpu_all.sh ppo       # 3 PPO steps of the quickstart shape + the per-phase table
 #   bash bench/gpu_all.sh learn     # GRPO on GSM8K, resumable across calls (LEARN_DIR), + the per-phase table
 #   bash bench/gpu_all.sh val       # --val_only of the base model: strict/flexible greedy mean@1, pass@5
-#   bash bench/gpu_all.sh profile   # log-prob and update passes, eager and compiled: TFLOP/s, top kernels
+#   bash bench/gpu_all.sh profile   # log-prob and update passes, eager and compiled: TFLOP/s, host vs device, kernels
 #   bash bench/gpu_all.sh qwen3     # 1 GRPO step of the Qwen3-1.7B tutorial shape on a random-init Qwen3-1.7B
 #   NPROC=2 bash bench/gpu_all.sh scale  # 3 GRPO steps on 1 and NPROC GPUs (TP 1, TP 2), 3 PPO steps on NPROC,
-#                                        # and the scaling table (bench/scaling_table.py)
+#                                        # and the scaling table (bench/scaling_table.py); the same in parts
+#                                        # that fit one call each: scale_1 scale_tp1 scale_tp2 scale_ppo
+#                                        # scale_table
+#                                        # (runs under RUNS, their metrics copied to OUT)
 # MODEL (a Hugging Face folder), DATA (GSM8K parquet folder), PY (python), LIMIT (seconds per part),
 # RUNS (a folder that outlives one call, for checkpoints), LEARN_DIR (the learning run's folder, default
 # RUNS/learn), LEARN_ARGS (extra flags of the learning run; a flag given twice takes the last value).
@@ -31,7 +34,17 @@ plain=""
 [ -f "$OUT/bench_engine.json" ] && plain="--plain_tok_s $OUT/bench_engine.json"
 data="--train_files $DATA/train.parquet --val_files $DATA/test.parquet"
 steps="--total_training_steps 3 --val_before_train false --test_freq -1 --export_final false --resume_mode disable"
+# one run of the scale part: GPUS TP SCRIPT NAME [FLAGS]
+scale_run() {
+  echo "rm -rf $RUNS/$4 && $PY -m torch.distributed.run --nproc_per_node=$1 $3 --model $MODEL $data $steps $fast \
+        --tensor_model_parallel_size $2 --default_local_dir $RUNS/$4 ${*:5}; s=\$?; \
+        cp $RUNS/$4/metrics.jsonl $OUT/$4.jsonl; $PY bench/phase_table.py $RUNS/$4/metrics.jsonl; test \$s = 0"
+}
+parts=()
 for part in "$@"; do
+  if [ "$part" = scale ]; then parts+=(scale_1 scale_tp1 scale_tp2 scale_ppo scale_table); else parts+=("$part"); fi
+done
+for part in "${parts[@]}"; do
   case $part in
     test)   cmd="GPU_TEST_MODEL=$MODEL $PY -m pytest tests/gpu -q -s" ;;
     engine) cmd="$PY bench/bench_engine.py --plain --model $MODEL --out $OUT && \
@@ -58,20 +71,21 @@ for part in "$@"; do
                  --max_response_length 1024 --enable_gradient_checkpointing --ref_param_offload \
                  --default_local_dir $OUT/qwen3 && $PY bench/phase_table.py $OUT/qwen3/metrics.jsonl $plain" ;;
     # the tutorial's shape at 1 and NPROC GPUs (per-GPU batch shrinks: strong scaling of one step),
-    # rollout TP 1 and 2; then PPO on NPROC GPUs
-    scale)  run="$PY -m torch.distributed.run --nproc_per_node"
-        cmd="$run=1 train_grpo.py --model $MODEL $data $steps $fast --default_local_dir $OUT/scale_1_tp1 && \
-             $run=$NPROC train_grpo.py --model $MODEL $data $steps $fast --default_local_dir $OUT/scale_${NPROC}_tp1 && \
-             $run=$NPROC train_grpo.py --model $MODEL $data $steps $fast --tensor_model_parallel_size 2 \
-               --default_local_dir $OUT/scale_${NPROC}_tp2 && \
-             $run=$NPROC train_ppo.py --model $MODEL $data $steps $fast --critic_ppo_max_token_len_per_gpu 32768 \
-               --default_local_dir $OUT/scale_ppo_$NPROC; \
-             $PY bench/phase_table.py $OUT/scale_ppo_$NPROC/metrics.jsonl; \
-             $PY bench/scaling_table.py 1:1:$OUT/scale_1_tp1/metrics.jsonl $NPROC:1:$OUT/scale_${NPROC}_tp1/metrics.jsonl \
-               $NPROC:2:$OUT/scale_${NPROC}_tp2/metrics.jsonl" ;;
+    # rollout TP 1 and 2; then PPO on NPROC GPUs. Each run starts afresh in RUNS/scale_*; its
+    # metrics.jsonl is copied to OUT/scale_*.jsonl
+    scale_1) cmd="$(scale_run 1 1 train_grpo.py scale_1_tp1)" ;;
+    scale_tp1) cmd="$(scale_run "$NPROC" 1 train_grpo.py "scale_${NPROC}_tp1")" ;;
+    scale_tp2) cmd="$(scale_run "$NPROC" 2 train_grpo.py "scale_${NPROC}_tp2")" ;;
+    scale_ppo) cmd="$(scale_run "$NPROC" 1 train_ppo.py "scale_ppo_$NPROC" --critic_ppo_max_token_len_per_gpu 32768)" ;;
+    scale_table) runs=""  # GPUS:TP:metrics of the runs that exist
+        for r in 1:1:scale_1_tp1 "$NPROC:1:scale_${NPROC}_tp1" "$NPROC:2:scale_${NPROC}_tp2"; do
+          [ -f "$RUNS/${r##*:}/metrics.jsonl" ] && runs="$runs ${r%:*}:$RUNS/${r##*:}/metrics.jsonl"
+        done
+        cmd="$PY bench/scaling_table.py $runs" ;;
     profile) cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT \
-                  --modes eager all --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 --repeats 2" ;;
-    *) echo "unknown part $part (test, engine, sync, grpo, ppo, learn, val, profile, qwen3, scale)"; exit 2 ;;
+                  --modes eager all train --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 --repeats 2" ;;
+    *) echo "unknown part $part (test, engine, sync, grpo, ppo, learn, val, profile, qwen3, scale, scale_1,"\
+            "scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
   esac
   echo "== $part: $cmd"
   timeout -k 20 "$LIMIT" bash -c "$cmd" > "$OUT/$part.log" 2>&1

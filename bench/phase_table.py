@@ -36,6 +36,9 @@ def main(path, plain_tok_s=None):
               + " ".join(f"{r.get('perf/mfu/' + m, float('nan')):>16.3f}" for m in mfus)
               + f" {r.get('perf/weight_sync_gb_s', float('nan')):>9.1f} {r['critic/score/mean']:>6.3f}"
               f" {r['response_length/mean']:>8.1f} {r['perf/max_memory_allocated_gb']:>8.1f}")
+    if rows and "timing_s/since_launch" in rows[0]:
+        print(f"step {rows[0]['step']} ended {rows[0]['timing_s/since_launch']:.0f} s after launch "
+              f"({rows[0]['timing_s/step']:.0f} s of it in the step)")
     steady = rows[1:] or rows
     if steady and "perf/peak_tflops" in steady[0]:
         step = statistics.median(r["timing_s/step"] for r in steady)

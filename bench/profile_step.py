@@ -11,12 +11,16 @@ each as TFLOP/s and MFU with the trainer's own FLOP count (train_grpo.phase_perf
 `eager` (no torch.compile), `logits` (--use_torch_compile: the log-prob / entropy math compiled),
 `all` (that and --compile_layers). Both compile only what runs without gradients (the trainer's
 choice, see sharding.no_grad_compiled): the update pass differs between modes only in its entropy
-metric. Then it profiles one micro-batch of each pass in the last mode and
-prints the operators that take the most device time (also written to --out as profile_*.txt). On CPU
+metric. `train` compiles as `all` does and the update's forward and backward too (not a trainer
+option: it measures what that choice would buy). A budget that runs out of memory prints as such.
+Per mode, one update micro-batch at the largest budget that fitted runs under the profiler: device
+time against host time says whether the GPU waits on Python. For the last mode, the operators that
+take the most device time in each pass are printed (and written to --out as profile_*.txt). On CPU
 it runs the same code on whatever --model is, for a smoke test.
 """
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -28,6 +32,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import sharding  # noqa: E402
 import train_grpo  # noqa: E402
 
 
@@ -67,29 +72,47 @@ def update_pass(model, samples, budget, device):
     return dt
 
 
-def top_ops(fn, device, path, rows=25):
+def profiled(fn, device):
+    """Run `fn` once under torch.profiler; returns the profile's operator averages."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         fn()
         sync(device)
+    return prof.key_averages()
+
+
+def top_ops(averages, device, path, rows=25):
     key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=rows)
+    table = averages.table(sort_by=key, row_limit=rows)
     if path:
         with open(path, "w") as f:
             f.write(table)
     return table
 
 
+def host_and_device_ms(averages):
+    """Self host (CPU) and self device time of a profile, in ms (the profiler adds host time of its own)."""
+    host = sum(e.self_cpu_time_total for e in averages) / 1e3
+    dev = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in averages) / 1e3
+    return host, dev
+
+
 def load(a, mode, device):
     """The policy as train_grpo.py loads it, with the torch.compile choices of `mode`."""
     eager = dict(log_probs=train_grpo.token_log_probs, entropy=train_grpo.token_entropy)
     train_grpo.LOGITS_MATH.update(eager)
-    if mode in ("logits", "all"):
-        train_grpo.compile_logits_math()
+    if mode != "eager":
+        train_grpo.compile_logits_math(with_grad=mode == "train")
     args = train_grpo.Args(model=a.model, enable_gradient_checkpointing=a.gradient_checkpointing,
-                           compile_layers=mode == "all")
-    return train_grpo.load_policy(a.model, device, True, False, args)
+                           compile_layers=mode in ("all", "train"))
+    compile_layers = sharding.compile_layers
+    if mode == "train":  # load_policy compiles the layers; here with the training passes too
+        sharding.compile_layers = functools.partial(compile_layers, with_grad=True)
+    try:
+        return train_grpo.load_policy(a.model, device, True, False, args)
+    finally:
+        sharding.compile_layers = compile_layers
 
 
 def main(a):
@@ -121,7 +144,7 @@ def main(a):
 
         def measure(name, run, seqs, budget, phase, key):
             """One row: first call (with compiling), median of --repeats, MFU, peak memory; a budget
-            that does not fit prints as such and the sweep goes on."""
+            that does not fit prints as such and the sweep goes on. Returns whether it fitted."""
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             try:
@@ -131,31 +154,41 @@ def main(a):
                 model.zero_grad(set_to_none=True)
                 torch.cuda.empty_cache()
                 print(f"{mode:7s} {name:9s} {budget:>12d} out of memory", flush=True)
-                return
+                return False
             perf = train_grpo.phase_perf({f"timing_s/{phase}": dt}, config, seq_len, tokens(seqs),
                                          sum(len(r) for _, r in seqs), peak, 1, 0)
             mem = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else float("nan")
             print(f"{mode:7s} {name:9s} {budget:>12d} {first:>8.2f} {dt:>8.2f} {perf[f'perf/tflops/{key}']:>8.0f} "
                   f"{perf[f'perf/mfu/{key}']:>6.1%} {mem:>8.1f}", flush=True)
-        for budget in a.log_prob_tokens:
-            measure("log_prob", log_prob_pass, samples, budget, "old_log_prob", "old_log_prob")
-        for budget in a.update_tokens:
-            measure("update", update_pass, mini, budget, "update_actor", "actor")
+            return True
+        lp_fit = [b for b in a.log_prob_tokens
+                  if measure("log_prob", log_prob_pass, samples, b, "old_log_prob", "old_log_prob")]
+        up_fit = [b for b in a.update_tokens if measure("update", update_pass, mini, b, "update_actor", "actor")]
+        if not up_fit:
+            continue
+        up_idx = train_grpo.micro_batches(mini, 8, max(up_fit))[0]
+
+        def one_update():
+            log_probs, _ = train_grpo.forward_log_probs(model, [mini[i] for i in up_idx], 1.0, True, False)
+            (-log_probs.sum() / 1e6).backward()
+        update_profile = profiled(one_update, device)
+        model.zero_grad(set_to_none=True)
+        host, dev = host_and_device_ms(update_profile)
+        print(f"# {mode}: one update micro-batch of {sum(len(p) + len(r) for p, r in (mini[i] for i in up_idx))} "
+              f"tokens under the profiler: device {dev:.0f} ms, host {host:.0f} ms", flush=True)
     out = a.out
     if out:
         os.makedirs(out, exist_ok=True)
-    lp_idx = train_grpo.micro_batches(samples, 8, a.log_prob_tokens[-1])[0]
-    up_idx = train_grpo.micro_batches(mini, 8, a.update_tokens[-1])[0]
-    with torch.no_grad():
+    if lp_fit:
+        lp_idx = train_grpo.micro_batches(samples, 8, max(lp_fit))[0]
+        with torch.no_grad():
+            lp_profile = profiled(
+                lambda: train_grpo.forward_log_probs(model, [samples[i] for i in lp_idx], 1.0, True, False), device)
         print("\nlog-prob micro-batch, top operators by device time:\n" + top_ops(
-            lambda: train_grpo.forward_log_probs(model, [samples[i] for i in lp_idx], 1.0, True, False), device,
-            out and os.path.join(out, "profile_log_prob.txt")), flush=True)
-
-    def one_update():
-        log_probs, _ = train_grpo.forward_log_probs(model, [samples[i] for i in up_idx], 1.0, True, False)
-        (-log_probs.sum() / 1e6).backward()
-    print("\nupdate micro-batch (forward + backward), top operators by device time:\n" + top_ops(
-        one_update, device, out and os.path.join(out, "profile_update.txt")), flush=True)
+            lp_profile, device, out and os.path.join(out, "profile_log_prob.txt")), flush=True)
+    if up_fit:
+        print("\nupdate micro-batch (forward + backward), top operators by device time:\n" + top_ops(
+            update_profile, device, out and os.path.join(out, "profile_update.txt")), flush=True)
     dist.destroy_process_group()
 
 
@@ -168,7 +201,7 @@ if __name__ == "__main__":
     p.add_argument("--update_tokens", type=int, nargs="+", default=[8192, 12288, 24576])
     p.add_argument("--max_response_length", type=int, default=512)
     p.add_argument("--gradient_checkpointing", action="store_true")
-    p.add_argument("--modes", nargs="+", default=["eager", "logits", "all"], choices=["eager", "logits", "all"])
+    p.add_argument("--modes", nargs="+", default=["eager", "logits", "all"], choices=["eager", "logits", "all", "train"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=os.environ.get("OUT"))
     main(p.parse_args())

@@ -5,7 +5,8 @@ and the scaling efficiency against the first run.
 
 Medians over the steps after the first (warm-up). Scaling efficiency = tokens/s per GPU
 (`perf/throughput`: prompt + response tokens of a step / its time / GPUs) against the first run's:
-1.0 is perfect weak scaling. Also the weight sync, the sync-parity gap and the peak memory per GPU.
+1.0 is perfect weak scaling. Also the weight sync, the sync-parity gap, the peak memory per GPU and
+how long after launch the first step ended.
 """
 
 import argparse
@@ -22,7 +23,8 @@ def summary(path):
     med = lambda key: statistics.median(r[key] for r in steady) if all(key in r for r in steady) else None  # noqa
     out = {p: med(f"timing_s/{p}") for p in PHASES}
     out |= {"throughput": med("perf/throughput"), "gap": med("rollout/logprob_gap_mean"),
-            "peak_gb": max(r["perf/max_memory_allocated_gb"] for r in rows), "steps": len(rows)}
+            "peak_gb": max(r["perf/max_memory_allocated_gb"] for r in rows), "steps": len(rows),
+            "first": rows[0].get("timing_s/since_launch", float("nan"))}
     return out
 
 
@@ -30,12 +32,12 @@ def main(runs):
     parsed = [(int(g), int(tp), summary(p)) for g, tp, p in (r.split(":", 2) for r in runs)]
     phases = [p for p in PHASES if any(s[p] is not None for _, _, s in parsed)]
     print(f"{'GPUs':>4} {'TP':>3} " + " ".join(f"{p:>14}" for p in phases)
-          + f" {'tok/s/GPU':>10} {'efficiency':>10} {'gap':>7} {'peak GB':>8} {'steps':>5}")
+          + f" {'tok/s/GPU':>10} {'efficiency':>10} {'gap':>7} {'peak GB':>8} {'steps':>5} {'first step s':>12}")
     base = parsed[0][2]["throughput"]
     for gpus, tp, s in parsed:
         print(f"{gpus:>4} {tp:>3} " + " ".join(f"{s[p]:>14.2f}" if s[p] is not None else f"{'':>14}" for p in phases)
               + f" {s['throughput']:>10.0f} {s['throughput'] / base:>10.2f} {s['gap'] or float('nan'):>7.4f}"
-              f" {s['peak_gb']:>8.1f} {s['steps']:>5}")
+              f" {s['peak_gb']:>8.1f} {s['steps']:>5} {s['first']:>12.0f}")
 
 
 if __name__ == "__main__":

@@ -27,20 +27,22 @@ def test_speed_of_light_by_hand():
 
 def test_table_and_summary(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
-    rows = [{"step": 0, "val-core/x/reward/mean@1": 0.1}, ROW, ROW | {"step": 2, "timing_s/step": 15.0}]
+    rows = [{"step": 0, "val-core/x/reward/mean@1": 0.1}, ROW | {"timing_s/since_launch": 95.4},
+            ROW | {"step": 2, "timing_s/step": 15.0}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     phase_table.main(str(path), 2000.0)
     out = capsys.readouterr().out
     assert "MFU actor" in out and "MFU ref" not in out  # only phases that ran
     # the median over steps after the first: step 2 alone, 15 s against 6.25 s
     assert "median step 15.0 s; speed of light 6.2 s" in out and "2.40x" in out
+    assert "step 1 ended 95 s after launch (17 s of it in the step)" in out
 
 
 def test_scaling_table_by_hand(tmp_path, capsys):
     def run(name, thr, steps, gap=0.01):
         path = tmp_path / f"{name}.jsonl"
         rows = [ROW | {"step": i + 1, "timing_s/step": t, "perf/throughput": x, "rollout/logprob_gap_mean": gap,
-                       "perf/max_memory_allocated_gb": 10.0 + i}
+                       "perf/max_memory_allocated_gb": 10.0 + i, "timing_s/since_launch": 60.0 * (i + 1)}
                 for i, (t, x) in enumerate(zip(steps, thr))]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return str(path)
@@ -53,11 +55,12 @@ def test_scaling_table_by_hand(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:2] == ["GPUs", "TP"] and "values" not in lines[0]  # only phases that ran
     assert lines[2].split()[:2] == ["2", "2"] and "0.80" in lines[2].split()  # 800 / 1000
+    assert lines[0].split()[-3:] == ["first", "step", "s"] and lines[2].split()[-1] == "60"  # step 1's
 
 
 def test_profile_step_runs_on_a_tiny_model(tmp_path):
-    """bench/profile_step.py end to end on CPU: the table of passes, eager and compiled, and both
-    operator profiles."""
+    """bench/profile_step.py end to end on CPU: the table of passes, eager and compiled (the update
+    too), host against device time per mode, and both operator profiles."""
     import subprocess
 
     from tests.tiny_model import make_tiny_model
@@ -67,13 +70,16 @@ def test_profile_step_runs_on_a_tiny_model(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
                            "--master_port", "29713", "bench/profile_step.py", "--model", model, "--sequences", "8",
                            "--mini_batch", "4", "--max_response_length", "32", "--log_prob_tokens", "512",
-                           "--update_tokens", "256", "--repeats", "1", "--modes", "eager", "all", "--out", str(tmp_path / "out")],
+                           "--update_tokens", "256", "--repeats", "1", "--modes", "eager", "train", "--out",
+                           str(tmp_path / "out")],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [line.split()[:2] for line in proc.stdout.splitlines() if line.startswith(("eager", "all"))]
-    assert rows == [["eager", "log_prob"], ["eager", "update"], ["all", "log_prob"], ["all", "update"]], proc.stdout
+    rows = [line.split()[:2] for line in proc.stdout.splitlines() if line.startswith(("eager", "train"))]
+    assert rows == [["eager", "log_prob"], ["eager", "update"], ["train", "log_prob"], ["train", "update"]], proc.stdout
     assert "top operators" in proc.stdout
-    diff = [line for line in proc.stdout.splitlines() if line.startswith("# all: |log-prob")]
+    for mode in ("eager", "train"):
+        assert f"# {mode}: one update micro-batch of " in proc.stdout, proc.stdout
+    diff = [line for line in proc.stdout.splitlines() if line.startswith("# train: |log-prob")]
     assert len(diff) == 1 and float(diff[0].split()[-3].rstrip(",")) < 1e-4, proc.stdout
     for name in ("profile_log_prob.txt", "profile_update.txt"):
         assert "aten::" in (tmp_path / "out" / name).read_text()
