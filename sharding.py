@@ -162,11 +162,12 @@ def apply_fsdp2(
 
 def no_grad_compiled(fn, with_grad: bool = False):
     """`fn` through `torch.compile` (dynamic shapes) when no gradient is recorded, `fn` itself when one
-    is (unless `with_grad`: then always compiled). Measured on one H200 with Qwen2.5-0.5B
-    (docs/benchmarks.md): compiled, the no-grad log-prob passes ran at 32% MFU instead of 23%; the
-    training forward + backward was no faster compiled (at these sizes the update waits on the CPU:
-    Python, autograd and kernel launches) and compiling it delayed the first step by ~110 s. So the
-    trainer compiles only the passes without gradients; `with_grad` is there for measuring."""
+    is, unless `with_grad` (the scripts' --compile_update): then always. Measured on one H200 with
+    Qwen2.5-0.5B (docs/benchmarks.md): compiled, the no-grad log-prob passes ran at 37% MFU instead
+    of 24%. The training forward + backward gains only once its micro-batches are large: at 12k
+    tokens it waits on the CPU (Python, autograd, kernel launches) compiled or not; at 49k it ran at
+    38% compiled, where eager peaked at 23% (24k; its fp32 logits leave no room for 49k). Compiling
+    it costs ~90 s in the first step, so it is a choice, off by default."""
     compiled = torch.compile(fn, dynamic=True)
 
     @functools.wraps(fn)
@@ -182,8 +183,9 @@ def compile_layers(model: torch.nn.Module, with_grad: bool = False) -> torch.nn.
     Eager PyTorch runs each RMSNorm, rotary embedding, SiLU-and-multiply and residual add as its own
     kernels, each a full pass over the activations; at a hidden size of 896 (Qwen2.5-0.5B) those
     passes cost about as much as the matmuls. Compiled, they fuse into a few kernels. All layers of
-    a model share one compiled graph (same code, parameters passed as inputs); a second model whose
-    parameters differ in requires_grad (the frozen reference) compiles its own. Attention stays
+    a model share one compiled graph (same code, parameters passed as inputs), and so do other models
+    of the same architecture whose parameters agree in requires_grad (the train scripts leave the
+    frozen reference's on for that reason; a mismatch compiles again). Attention stays
     eager (`packed_attention` opts out), and FSDP2's hooks run in the module call around the
     compiled forward. Parameter names are unchanged. Call before sharding. `with_grad`: compile
     the training passes too (see `no_grad_compiled`).

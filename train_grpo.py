@@ -94,10 +94,15 @@ class Args:
     ref_param_offload: bool = field(default=False, metadata={"help": "reference model params on CPU"})
     use_remove_padding: bool = field(default=True, metadata={"help": "pack sequences instead of padding"})
     # speed
-    use_torch_compile: bool | None = field(default=None, metadata={"help": "torch.compile the log-prob and entropy "
-                                           "math over the vocabulary, where no gradient is taken (default: on GPU)"})
-    compile_layers: bool | None = field(default=None, metadata={"help": "torch.compile each decoder layer, where no "
-                                        "gradient is taken (default: on GPU)"})
+    use_torch_compile: bool | None = field(default=None, metadata={
+        "help": "torch.compile the log-prob and entropy math over the vocabulary, in the passes without gradients "
+        "(default: on GPU)"})
+    compile_layers: bool | None = field(default=None, metadata={
+        "help": "torch.compile each decoder layer, in the passes without gradients (default: on GPU)"})
+    compile_update: bool = field(default=False, metadata={
+        "help": "compile the actor's update (forward and backward) too, where the two flags above compile: pays "
+        "off with large micro-batches (--use_dynamic_bsz, --ppo_max_token_len_per_gpu 49152 on an H200), costs "
+        "~90 s of compiling in the first step (docs/benchmarks.md)"})
     # reward
     custom_reward_function_path: str | None = field(default=None, metadata={"help": "a .py file"})
     custom_reward_function_name: str = field(default="compute_score", metadata={"help": "function in that file"})
@@ -230,7 +235,7 @@ def token_entropy(logits, temperature):
 # fp32 tensor; at a vocabulary of 152k that costs more than the lm_head matmul itself (on one H200,
 # ~0.5 s of a 2.45 s log-prob pass over a GRPO step's 1,280 responses; docs/benchmarks.md).
 # `--use_torch_compile` (verl's flag) swaps in versions compiled for the passes without gradients
-# (sharding.no_grad_compiled), which read the bf16 logits once.
+# (sharding.no_grad_compiled), which read the bf16 logits once; `--compile_update` for the update too.
 LOGITS_MATH = {"log_probs": token_log_probs, "entropy": token_entropy}
 
 
@@ -520,6 +525,8 @@ def check_args(args, world_size):
              f"--max_response_length = {longest}")
     need(args.kl_loss_coef is None or args.use_kl_loss, "--kl_loss_coef is set but --use_kl_loss is false")
     need(args.kl_coef is None or args.use_kl_in_reward, "--kl_coef is set but --use_kl_in_reward is false")
+    need(not args.compile_update or args.use_torch_compile is not False or args.compile_layers is not False,
+         "--compile_update compiles the update where --use_torch_compile and --compile_layers compile; both are false")
     need(args.truncation in ("error", "left", "right"), "--truncation must be error, left or right")
     need(args.reward_errors in ("raise", "zero"), "--reward_errors must be raise or zero")
     need(args.rollout_engine in ("vllm", "hf"), "--rollout_engine must be vllm or hf")
@@ -566,12 +573,15 @@ def load_policy(path, device, trainable, offload, args):
     if device.type == "cuda" and not offload:
         model.to(device)
     if gpu_default(args.compile_layers, device):
-        sharding.compile_layers(model)
+        sharding.compile_layers(model, with_grad=trainable and args.compile_update)
     sharding.apply_fsdp2(model, param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                          gradient_checkpointing=trainable and args.enable_gradient_checkpointing,
                          cpu_offload=offload)
     if not trainable:
-        model.requires_grad_(False).eval()
+        # Frozen: it only runs under torch.no_grad (`batched`) and no optimizer holds it. Its parameters
+        # keep requires_grad=True, as the actor's: compiled layers guard on that flag, and flipping it
+        # would compile every layer again for this model (14 s of the first step on an H200).
+        model.eval()
     return model
 
 
@@ -664,7 +674,7 @@ def main(args):
                          "--experiment_name, or delete them")
     reward_fn = reward.load_reward_function(args.custom_reward_function_path, args.custom_reward_function_name)
     if gpu_default(args.use_torch_compile, device):
-        compile_logits_math()
+        compile_logits_math(with_grad=args.compile_update)
     random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)  # same init on every rank
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     data_kw = dict(tokenizer=tokenizer, max_prompt_length=args.max_prompt_length,

@@ -4,6 +4,7 @@
 #   bash bench/gpu_all.sh engine    # bench_engine: plain vLLM vs ours, sync, sleep/wake, memory, parity
 #   bash bench/gpu_all.sh sync      # bench_engine without the plain vLLM run (ours, sync, sleep/wake, parity)
 #   bash bench/gpu_all.sh grpo      # 3 GRPO steps of the tutorial shape + the per-phase table
+#   bash bench/gpu_all.sh grpo_compiled  # 5 GRPO steps, update compiled, 49k/64k-token micro-batches
 #   bash bench/gpu_all.sh ppo       # 3 PPO steps of the quickstart shape + the per-phase table
 #   bash bench/gpu_all.sh learn     # GRPO on GSM8K, resumable across calls (LEARN_DIR), + the per-phase table
 #   bash bench/gpu_all.sh val       # --val_only of the base model: strict/flexible greedy mean@1, pass@5
@@ -34,7 +35,7 @@ plain=""
 [ -f "$OUT/bench_engine.json" ] && plain="--plain_tok_s $OUT/bench_engine.json"
 data="--train_files $DATA/train.parquet --val_files $DATA/test.parquet"
 steps="--total_training_steps 3 --val_before_train false --test_freq -1 --export_final false --resume_mode disable"
-# one run of the scale part: GPUS TP SCRIPT NAME [FLAGS]
+# one run of the tutorial's shape, afresh in RUNS/NAME, metrics copied to OUT: GPUS TP SCRIPT NAME [FLAGS]
 scale_run() {
   echo "rm -rf $RUNS/$4 && $PY -m torch.distributed.run --nproc_per_node=$1 $3 --model $MODEL $data $steps $fast \
         --tensor_model_parallel_size $2 --default_local_dir $RUNS/$4 ${*:5}; s=\$?; \
@@ -73,6 +74,9 @@ for part in "${parts[@]}"; do
     # the tutorial's shape at 1 and NPROC GPUs (per-GPU batch shrinks: strong scaling of one step),
     # rollout TP 1 and 2; then PPO on NPROC GPUs. Each run starts afresh in RUNS/scale_*; its
     # metrics.jsonl is copied to OUT/scale_*.jsonl
+    # 5 GRPO steps with the update compiled at the micro-batches where that pays (docs/benchmarks.md)
+    grpo_compiled) cmd="$(scale_run 1 1 train_grpo.py grpo_compiled --total_training_steps 5 --compile_update true \
+                          --ppo_max_token_len_per_gpu 49152 --log_prob_max_token_len_per_gpu 65536)" ;;
     scale_1) cmd="$(scale_run 1 1 train_grpo.py scale_1_tp1)" ;;
     scale_tp1) cmd="$(scale_run "$NPROC" 1 train_grpo.py "scale_${NPROC}_tp1")" ;;
     scale_tp2) cmd="$(scale_run "$NPROC" 2 train_grpo.py "scale_${NPROC}_tp2")" ;;
@@ -84,8 +88,8 @@ for part in "${parts[@]}"; do
         cmd="$PY bench/scaling_table.py $runs" ;;
     profile) cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT \
                   --modes eager all train --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 --repeats 2" ;;
-    *) echo "unknown part $part (test, engine, sync, grpo, ppo, learn, val, profile, qwen3, scale, scale_1,"\
-            "scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
+    *) echo "unknown part $part (test, engine, sync, grpo, grpo_compiled, ppo, learn, val, profile, qwen3, scale,"\
+            "scale_1, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
   esac
   echo "== $part: $cmd"
   timeout -k 20 "$LIMIT" bash -c "$cmd" > "$OUT/$part.log" 2>&1

@@ -201,7 +201,8 @@ if __name__ == "__main__":
     p.add_argument("--update_tokens", type=int, nargs="+", default=[8192, 12288, 24576])
     p.add_argument("--max_response_length", type=int, default=512)
     p.add_argument("--gradient_checkpointing", action="store_true")
-    p.add_argument("--modes", nargs="+", default=["eager", "logits", "all"], choices=["eager", "logits", "all", "train"])
+    p.add_argument("--modes", nargs="+", default=["eager", "logits", "all"],
+                   choices=["eager", "logits", "all", "train"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=os.environ.get("OUT"))
     main(p.parse_args())

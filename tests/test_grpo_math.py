@@ -5,6 +5,9 @@ Shapes as in train_grpo.py: N sequences (B prompts x n samples), T response toke
 """
 
 import math
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -31,9 +34,12 @@ from tests.tiny_model import LENGTHS, GradRecorder, make_samples, tiny_config
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-def close(actual, expected, atol=1e-4):
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def close(actual, expected, atol=1e-4, rtol=0.0):
     torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32),
-                               torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=0)
+                               torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=rtol)
 
 
 # --- advantages ----------------------------------------------------------------------------------
@@ -391,6 +397,66 @@ def test_compiled_layers_and_logits_math_equal_eager(model, monkeypatch):
         close(a, e, atol=1e-5)
     for a, e in zip(actual_grads, expected_grads):
         assert torch.equal(a, e)
+
+
+def test_compile_update_compiles_the_backward_and_keeps_the_gradient(model, monkeypatch):
+    """--compile_update: the training forward runs through compiled graphs (a compiled backward node in
+    its autograd graph) and its gradients equal eager ones up to fp32 reordering."""
+    import copy
+
+    samples = make_samples(LENGTHS)
+
+    def grads(m):
+        log_probs, entropy = forward_log_probs(m, samples, 0.7, packed=True, with_entropy=True)
+        (log_probs.sum() + entropy.sum()).backward()
+        out = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        return out, log_probs
+
+    expected, _ = grads(model)
+    monkeypatch.setattr(train_grpo, "LOGITS_MATH", dict(train_grpo.LOGITS_MATH))
+    train_grpo.compile_logits_math(with_grad=True)
+    actual, log_probs = grads(sharding.compile_layers(copy.deepcopy(model), with_grad=True))
+    nodes, seen = [log_probs.grad_fn], set()
+    while nodes:  # walk the autograd graph
+        node = nodes.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            nodes += [n for n, _ in node.next_functions]
+    assert sum(type(n).__name__ == "CompiledFunctionBackward" for n in seen) >= 2  # layers and logits math
+    for a, e in zip(actual, expected):
+        close(a, e, atol=1e-5, rtol=1e-4)
+
+
+REFERENCE_SHARES_GRAPHS = """
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, os.getcwd())
+import train_grpo
+from torch._dynamo.utils import counters
+from tests.tiny_model import make_tiny_model
+dist.init_process_group("gloo", rank=0, world_size=1)
+path = make_tiny_model(sys.argv[1])
+args = train_grpo.Args(model=path, compile_layers=True)
+device = torch.device("cpu")
+actor = train_grpo.load_policy(path, device, True, False, args)
+ref = train_grpo.load_policy(path, device, False, False, args)
+samples = [([5, 6, 7], [8, 9]), ([1, 2], [3, 4, 5, 6])]
+train_grpo.batched_log_probs(actor, samples, 8, 1.0, True, 4)
+graphs = counters["stats"]["unique_graphs"]
+train_grpo.batched_log_probs(ref, samples, 8, 1.0, True, 4)
+assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs, (graphs, counters["stats"]["unique_graphs"])
+assert not ref.training and all(p.grad is None for p in ref.parameters())
+print("OK")
+"""
+
+
+def test_the_reference_reuses_the_actors_compiled_layers(tmp_path):
+    """load_policy leaves the frozen reference's parameters as the actor's (requires_grad): its
+    no-grad pass runs the graphs the actor's compiled, none of its own."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29741"}
+    proc = subprocess.run([sys.executable, "-c", REFERENCE_SHARES_GRAPHS, str(tmp_path / "model")], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 def test_micro_batches_by_count_and_by_token_budget():

@@ -30,7 +30,7 @@ METRICS = [
     "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/kl_loss",
     "actor/entropy", "actor/grad_norm", "actor/lr",
     "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv", "timing_s/update_actor",
-    "timing_s/update_weights", "timing_s/step",
+    "timing_s/update_weights", "timing_s/step", "timing_s/since_launch",
     "perf/throughput", "perf/mfu/actor", "perf/max_memory_allocated_gb", "rollout/logprob_gap_mean",
     "perf/mfu/old_log_prob", "perf/tflops/actor", "perf/weight_sync_gb_s", "perf/peak_tflops",
 ]
@@ -112,7 +112,7 @@ def two_step_run(assets, engine, *extra):
 def hf_run(assets):  # micro-batches by token budget (same count on both ranks), compiled; the vLLM run
     return two_step_run(assets, "hf", "--use_dynamic_bsz", "--ppo_max_token_len_per_gpu", "300",  # by count, eager
                         "--log_prob_max_token_len_per_gpu", "300", "--use_torch_compile", "true",
-                        "--compile_layers", "true")
+                        "--compile_layers", "true", "--compile_update", "true")
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,8 @@ def write_parquet_without(src, dst, column):
     pq.write_table(table.drop([column]), dst)
 
 
-@pytest.mark.parametrize("case", ["rollout_n_1", "missing_column", "missing_reward_file", "token_budget"])
+@pytest.mark.parametrize("case", ["rollout_n_1", "missing_column", "missing_reward_file", "token_budget",
+                                  "compile_update"])
 def test_bad_input_fails_at_start_up(case, assets):
     out = assets["tmp"] / f"bad_{case}"
     expected = []
@@ -199,6 +200,9 @@ def test_bad_input_fails_at_start_up(case, assets):
     elif case == "token_budget":
         args += ["--use_dynamic_bsz", "--ppo_max_token_len_per_gpu", "100"]
         expected = ["--ppo_max_token_len_per_gpu 100 must hold the longest sequence"]
+    elif case == "compile_update":
+        args += ["--compile_update", "true", "--use_torch_compile", "false", "--compile_layers", "false"]
+        expected = ["--compile_update compiles the update where --use_torch_compile and --compile_layers compile"]
     elif case == "missing_column":
         bad = assets["tmp"] / "no_reward_model.parquet"
         write_parquet_without(assets["data"] / "train.parquet", bad, "reward_model")

@@ -33,7 +33,7 @@ METRICS = [
     "response_length/mean", "response_length/max", "prompt_length/mean",
     "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv",
     "timing_s/update_critic", "timing_s/update_actor", "timing_s/update_weights", "timing_s/step",
-    "perf/throughput", "perf/mfu/actor", "rollout/logprob_gap_mean",
+    "timing_s/since_launch", "perf/throughput", "perf/mfu/actor", "rollout/logprob_gap_mean",
 ]
 ACTOR_ONLY = [k for k in METRICS if k.startswith("actor/") and "reward_kl" not in k] + ["timing_s/update_actor",
                                                                                       "perf/mfu/actor"]
@@ -89,8 +89,9 @@ def hf_run(assets):  # micro-batches by token budget (same count on both ranks);
 
 
 @pytest.fixture(scope="module")
-def vllm_run(assets):  # actor, reference and critic compiled (the hf run stays eager)
-    return two_step_run(assets, "vllm", "--use_torch_compile", "true", "--compile_layers", "true")
+def vllm_run(assets):  # actor, reference and critic compiled, updates too (the hf run stays eager)
+    return two_step_run(assets, "vllm", "--use_torch_compile", "true", "--compile_layers", "true",
+                        "--compile_update", "true")
 
 
 def check_metrics(m, names, step):
