@@ -11,8 +11,8 @@ each as TFLOP/s and MFU with the trainer's own FLOP count (train_grpo.phase_perf
 `eager` (no torch.compile), `logits` (--use_torch_compile: the log-prob / entropy math compiled),
 `all` (that and --compile_layers). Both compile only what runs without gradients (the trainer's
 choice, see sharding.no_grad_compiled): the update pass differs between modes only in its entropy
-metric. `train` compiles as `all` does and the update's forward and backward too (not a trainer
-option: it measures what that choice would buy). A budget that runs out of memory prints as such.
+metric. `train` compiles as `all` does and the update's forward and backward too
+(--compile_update). A budget that runs out of memory prints as such.
 Per mode, one update micro-batch at the largest budget that fitted runs under the profiler: device
 time against host time says whether the GPU waits on Python. For the last mode, the operators that
 take the most device time in each pass are printed (and written to --out as profile_*.txt). On CPU
@@ -20,7 +20,6 @@ it runs the same code on whatever --model is, for a smoke test.
 """
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -32,7 +31,6 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import sharding  # noqa: E402
 import train_grpo  # noqa: E402
 
 
@@ -105,14 +103,8 @@ def load(a, mode, device):
     if mode != "eager":
         train_grpo.compile_logits_math(with_grad=mode == "train")
     args = train_grpo.Args(model=a.model, enable_gradient_checkpointing=a.gradient_checkpointing,
-                           compile_layers=mode in ("all", "train"))
-    compile_layers = sharding.compile_layers
-    if mode == "train":  # load_policy compiles the layers; here with the training passes too
-        sharding.compile_layers = functools.partial(compile_layers, with_grad=True)
-    try:
-        return train_grpo.load_policy(a.model, device, True, False, args)
-    finally:
-        sharding.compile_layers = compile_layers
+                           compile_layers=mode in ("all", "train"), compile_update=mode == "train")
+    return train_grpo.load_policy(a.model, device, True, False, args)
 
 
 def main(a):

@@ -368,6 +368,16 @@ def test_packed_log_probs_equal_padded_and_a_loop(model):
         close(packed_entropy[i, :len(r)], entropy_from_logits(logits), atol=1e-5)
 
 
+def log_prob_entropy_grads(m, samples):
+    """The parameter gradients of sum(log-probs) + sum(entropy) over packed `samples` (then zeroed
+    again), and the log-probs."""
+    log_probs, entropy = forward_log_probs(m, samples, 0.7, packed=True, with_entropy=True)
+    (log_probs.sum() + entropy.sum()).backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    return grads, log_probs
+
+
 def test_compiled_layers_and_logits_math_equal_eager(model, monkeypatch):
     """--compile_layers and --use_torch_compile change kernels, not results: without gradients
     (where they compile) log-probs and entropy of packed batches of two shapes equal the eager ones;
@@ -381,11 +391,7 @@ def test_compiled_layers_and_logits_math_equal_eager(model, monkeypatch):
     def run(m):
         with torch.no_grad():
             out = [t for s in batches for t in forward_log_probs(m, s, 0.7, packed=True, with_entropy=True)]
-        log_probs, entropy = forward_log_probs(m, batches[0], 0.7, packed=True, with_entropy=True)
-        (log_probs.sum() + entropy.sum()).backward()
-        grads = [p.grad.clone() for p in m.parameters()]
-        m.zero_grad()
-        return out, grads
+        return out, log_prob_entropy_grads(m, batches[0])[0]
 
     expected, expected_grads = run(model)
     monkeypatch.setattr(train_grpo, "LOGITS_MATH", dict(train_grpo.LOGITS_MATH))
@@ -405,18 +411,10 @@ def test_compile_update_compiles_the_backward_and_keeps_the_gradient(model, monk
     import copy
 
     samples = make_samples(LENGTHS)
-
-    def grads(m):
-        log_probs, entropy = forward_log_probs(m, samples, 0.7, packed=True, with_entropy=True)
-        (log_probs.sum() + entropy.sum()).backward()
-        out = [p.grad.clone() for p in m.parameters()]
-        m.zero_grad()
-        return out, log_probs
-
-    expected, _ = grads(model)
+    expected, _ = log_prob_entropy_grads(model, samples)
     monkeypatch.setattr(train_grpo, "LOGITS_MATH", dict(train_grpo.LOGITS_MATH))
     train_grpo.compile_logits_math(with_grad=True)
-    actual, log_probs = grads(sharding.compile_layers(copy.deepcopy(model), with_grad=True))
+    actual, log_probs = log_prob_entropy_grads(sharding.compile_layers(copy.deepcopy(model), with_grad=True), samples)
     nodes, seen = [log_probs.grad_fn], set()
     while nodes:  # walk the autograd graph
         node = nodes.pop()
