@@ -708,6 +708,7 @@ def main(args):
                   "to do. Raise --total_training_steps / --total_epochs to train on, or use --resume_mode disable "
                   "to start over.")
         return
+    models_loaded = seconds_since_launch()
     engine = make_engine(args.rollout_engine, args.model, tensor_parallel_size=args.tensor_model_parallel_size,
                          gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
                          max_model_len=args.max_prompt_length + args.max_response_length,
@@ -715,6 +716,9 @@ def main(args):
                          enforce_eager=device.type != "cuda", load_format="dummy")
     push_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     engine.update_weights(sharding.iter_full_tensors(actor, dtype=push_dtype, device=device))
+    if rank == 0:  # where the time to the first step goes (docs/benchmarks.md, "The first step")
+        print(f"models loaded {models_loaded:.1f} s after launch, engine ready at {seconds_since_launch():.1f} s",
+              flush=True)
     logger = Logger(args, args.default_local_dir)
     logger.truncate(step - 1 if step == 0 else step)
     if args.val_only:

@@ -334,10 +334,18 @@ def test_export_hf_loads_in_transformers_and_vllm(dist_results):
     assert load["export_bf16_dtype"] == "torch.bfloat16" and load["export_bf16_weights"]
 
 
-def test_vllm_log_probs_only_where_asked(tmp_path):
+def test_vllm_log_probs_only_where_asked(tmp_path, monkeypatch):
     pytest.importorskip("vllm")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from tests.tiny_model import make_tiny_model
+    from vllm.model_executor.models import registry
+
+    def no_subprocess(fn):
+        raise AssertionError("vLLM inspected the model class in a subprocess")
+
+    # An empty model-info cache: the engine must resolve the architecture in this process.
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm_cache"))
+    monkeypatch.setattr(registry, "_run_in_subprocess", no_subprocess)
     engine = rollout.VLLMEngine(make_tiny_model(str(tmp_path / "m")), dtype="float32", max_model_len=128,
                                 enforce_eager=True)
     prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
