@@ -58,6 +58,8 @@ class Args:
     logprob_check_prompts: int = field(default=8, metadata={
         "help": "prompts per GPU per step whose engine log-probs are checked (rollout/logprob_gap_mean); -1: all"})
     gpu_memory_utilization: float = field(default=0.6, metadata={"help": "vLLM's share of GPU memory while awake"})
+    max_num_seqs: int = field(default=1024, metadata={
+        "help": "sequences vLLM decodes at once; the rest of a step's batch waits for free slots"})
     # actor update
     ppo_mini_batch_size: int = field(default=64, metadata={"help": "prompts per optimizer step (x rollout_n inside)"})
     ppo_micro_batch_size_per_gpu: int = field(default=4, metadata={"help": "sequences per forward/backward"})
@@ -516,6 +518,7 @@ def check_args(args, world_size):
     need(args.ppo_mini_batch_size * args.rollout_n % world_size == 0,
          f"--ppo_mini_batch_size x --rollout_n ({args.ppo_mini_batch_size * args.rollout_n}) must be divisible by "
          f"the number of GPUs {world_size}")
+    need(args.max_num_seqs >= 1, f"--max_num_seqs {args.max_num_seqs} must be at least 1")
     need(world_size % args.tensor_model_parallel_size == 0,
          f"--tensor_model_parallel_size {args.tensor_model_parallel_size} must divide the number of GPUs {world_size}")
     longest = args.max_prompt_length + args.max_response_length
@@ -710,7 +713,8 @@ def main(args):
         return
     models_loaded = seconds_since_launch()
     engine = make_engine(args.rollout_engine, args.model, tensor_parallel_size=args.tensor_model_parallel_size,
-                         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+                         seed=args.seed,
                          max_model_len=args.max_prompt_length + args.max_response_length,
                          dtype="bfloat16" if device.type == "cuda" else "float32",
                          enforce_eager=device.type != "cuda", load_format="dummy")

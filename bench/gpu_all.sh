@@ -5,6 +5,8 @@
 #   bash bench/gpu_all.sh sync      # bench_engine without the plain vLLM run (ours, sync, sleep/wake, parity)
 #   bash bench/gpu_all.sh grpo      # 3 GRPO steps of the tutorial shape + the per-phase table
 #   bash bench/gpu_all.sh grpo_compiled  # 5 GRPO steps, update compiled, 49k/64k-token micro-batches
+#   bash bench/gpu_all.sh scale_1 scale_1_warm gen_seqs  # 3 GRPO steps on a fresh machine, again with its
+#                                   # caches warm, and with all 1,280 sequences of a step decoding at once
 #   bash bench/gpu_all.sh ppo       # 3 PPO steps of the quickstart shape + the per-phase table
 #   bash bench/gpu_all.sh learn     # GRPO on GSM8K, resumable across calls (LEARN_DIR), + the per-phase table
 #   bash bench/gpu_all.sh val       # --val_only of the base model: strict/flexible greedy mean@1, pass@5
@@ -78,6 +80,9 @@ for part in "${parts[@]}"; do
     grpo_compiled) cmd="$(scale_run 1 1 train_grpo.py grpo_compiled --total_training_steps 5 --compile_update true \
                           --ppo_max_token_len_per_gpu 49152 --log_prob_max_token_len_per_gpu 65536)" ;;
     scale_1) cmd="$(scale_run 1 1 train_grpo.py scale_1_tp1)" ;;
+    scale_1_warm) cmd="$(scale_run 1 1 train_grpo.py scale_1_warm)" ;;  # after scale_1: time to step 1, caches warm
+    # the same seeds and prompts with no sequence waiting for a decoding slot (1,280 per step <= 2,048)
+    gen_seqs) cmd="$(scale_run 1 1 train_grpo.py gen_seqs --max_num_seqs 2048)" ;;
     scale_tp1) cmd="$(scale_run "$NPROC" 1 train_grpo.py "scale_${NPROC}_tp1")" ;;
     scale_tp2) cmd="$(scale_run "$NPROC" 2 train_grpo.py "scale_${NPROC}_tp2")" ;;
     scale_ppo) cmd="$(scale_run "$NPROC" 1 train_ppo.py "scale_ppo_$NPROC" --critic_ppo_max_token_len_per_gpu 32768)" ;;
@@ -89,7 +94,7 @@ for part in "${parts[@]}"; do
     profile) cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT \
                   --modes eager all train --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 --repeats 2" ;;
     *) echo "unknown part $part (test, engine, sync, grpo, grpo_compiled, ppo, learn, val, profile, qwen3, scale,"\
-            "scale_1, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
+            "scale_1, scale_1_warm, gen_seqs, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
   esac
   echo "== $part: $cmd"
   timeout -k 20 "$LIMIT" bash -c "$cmd" > "$OUT/$part.log" 2>&1

@@ -79,7 +79,8 @@ TOKEN_BUDGET = ["--use_dynamic_bsz", "--ppo_max_token_len_per_gpu", "300", "--lo
 
 def two_step_run(assets, engine, *extra):
     out = assets["tmp"] / f"ppo_{engine}{'_'.join(extra)}"
-    run_ppo(flags(assets, out, engine, 2, "disable", *extra))
+    proc = run_ppo(flags(assets, out, engine, 2, "disable", *extra))
+    (assets["tmp"] / f"{out.name}.log").write_text(proc.output)
     return out
 
 
@@ -89,9 +90,10 @@ def hf_run(assets):  # micro-batches by token budget (same count on both ranks);
 
 
 @pytest.fixture(scope="module")
-def vllm_run(assets):  # actor, reference and critic compiled, updates too (the hf run stays eager)
+def vllm_run(assets):  # actor, reference and critic compiled, updates too (the hf run stays eager); vLLM
+    # decodes one sequence at a time, the others waiting for its slot
     return two_step_run(assets, "vllm", "--use_torch_compile", "true", "--compile_layers", "true",
-                        "--compile_update", "true")
+                        "--compile_update", "true", "--max_num_seqs", "1")
 
 
 def check_metrics(m, names, step):
@@ -122,6 +124,9 @@ def test_two_steps_log_every_metric_and_change_actor_and_critic(run, assets, req
     assert m[2]["actor/reward_kl_penalty"] != 0  # the actor moved away from the reference
     # the critic learned from step 1: step 2's values come from the updated critic
     assert m[2]["critic/values/mean"] != pytest.approx(m[1]["critic/values/mean"], abs=1e-4)
+
+    if run == "vllm_run":  # --max_num_seqs reached the engine (vLLM logs the arguments it was given)
+        assert "'max_num_seqs': 1," in (assets["tmp"] / f"{out.name}.log").read_text()
 
     initial = load_file(f"{assets['model']}/model.safetensors")
     final = load_file(out / "hf_model" / "model.safetensors")
