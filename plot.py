@@ -6,13 +6,14 @@ runs are named by their folder in the legend. Panels, against the step: the trai
 response length, the KL term (actor/kl_loss, or actor/reward_kl_penalty when the KL is in the
 reward) and the policy's entropy; and where each step's time goes (timing_s/gen, old_log_prob,
 ref, values, adv, update_critic, update_actor, update_weights) as stacked bars: one bar per step
-for one run, the mean step of each run for several. Metrics a run does not log (GRPO has no
-critic) are left out.
+for one run, the median of each phase for several (a step that compiles does not skew it).
+Metrics a run does not log (GRPO has no critic) are left out.
 """
 
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -90,7 +91,7 @@ def draw_validation(ax, runs, colors):
 
 
 def draw_timing(ax, runs):
-    """Stacked seconds per phase: per step for one run, the mean step of each run for several."""
+    """Stacked seconds per phase: per step for one run, each phase's median over the steps for several."""
     cmap = plt.get_cmap("tab10")
     if len(runs) == 1:
         rows = runs[0][1]
@@ -104,7 +105,7 @@ def draw_timing(ax, runs):
             bars[p] = []
             for _, rows in runs:
                 timed = [r for r in rows.values() if "timing_s/step" in r]
-                bars[p].append(sum(r.get(f"timing_s/{p}", 0.0) for r in timed) / max(1, len(timed)))
+                bars[p].append(statistics.median([r.get(f"timing_s/{p}", 0.0) for r in timed] or [0.0]))
         x, labels = list(range(len(runs))), [name for name, _ in runs]
     bottom = [0.0] * len(x)
     for i, p in enumerate(PHASES):
@@ -113,7 +114,7 @@ def draw_timing(ax, runs):
             bottom = [b + v for b, v in zip(bottom, bars[p])]
     if labels:
         ax.set_xticks(x, labels, rotation=15, fontsize=8)
-    ax.set_title("time per step (s), by phase" + (" (mean step)" if labels else ""), fontsize=10)
+    ax.set_title("time per step (s), by phase" + (" (median per phase)" if labels else ""), fontsize=10)
     if any(bottom):
         ax.legend(fontsize=7)
     else:
