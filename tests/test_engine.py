@@ -343,8 +343,9 @@ def test_vllm_log_probs_only_where_asked(tmp_path, monkeypatch):
     def no_subprocess(fn):
         raise AssertionError("vLLM inspected the model class in a subprocess")
 
-    # An empty model-info cache: the engine must resolve the architecture in this process.
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm_cache"))
+    # No model-info cache (vLLM's answer from an earlier subprocess): the engine must resolve the
+    # architecture in this process.
+    monkeypatch.setattr(registry._LazyRegisteredModel, "_load_modelinfo_from_cache", lambda self, module_hash: None)
     monkeypatch.setattr(registry, "_run_in_subprocess", no_subprocess)
     engine = rollout.VLLMEngine(make_tiny_model(str(tmp_path / "m")), dtype="float32", max_model_len=128,
                                 enforce_eager=True)
