@@ -72,7 +72,7 @@ def _register_in_process(model_path: str) -> None:
 
     The first time vLLM meets an architecture it imports the class in a fresh Python process (to keep
     CUDA out of a parent that may fork) and caches what it learns under ~/.cache/vllm: on a fresh
-    machine that is torch and vLLM imported a second time, 18 s on the H200 machine and 10 s here.
+    machine that is torch and vLLM imported a second time: 18 s on the H200 machine, 10 s on a 2-core CPU.
     Our process already holds CUDA and imports the same class moments later, so registering the class
     itself (vLLM's public `ModelRegistry.register_model`) costs nothing. Best effort: on any
     failure vLLM resolves the architecture its own way.
