@@ -89,12 +89,31 @@ def _register_in_process(model_path: str) -> None:
         print(f"vLLM will inspect the model class in a subprocess ({type(e).__name__}: {e})")
 
 
+def graphs_without_compile(max_num_seqs: int) -> dict:
+    """vLLM's compilation config for a rollout engine that captures CUDA graphs but does not compile.
+
+    By default vLLM runs the model through torch.compile (22 s of a cold start on an H200 with
+    Qwen2.5-0.5B) and captures CUDA graphs of the compiled pieces between attention calls, for
+    batches of up to min(2 * max_num_seqs, 512) tokens. Without compiling, vLLM runs its own fused
+    kernels (RMSNorm, rotary, SiLU-and-mul) and captures the whole forward, attention included, as
+    one graph per decoding batch size ("FULL_DECODE_ONLY"; batches with prompt tokens run eagerly).
+    Replayed graphs leave no Python between kernels, which is what compiling mostly buys a model
+    this small. A rollout starts with max_num_seqs sequences decoding at once, so graphs are
+    captured up to that many (at most 4,096), more coarsely above 256, where padding a batch to the
+    next size costs little. docs/benchmarks.md has the measured comparison.
+    """
+    cap = min(max_num_seqs, 4096)
+    grid = [1, 2, 4, *range(8, 256, 8), *range(256, 1024, 32), *range(1024, 4096, 128)]
+    return {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY",
+            "cudagraph_capture_sizes": [s for s in grid if s < cap] + [cap]}
+
+
 class VLLMEngine:
     """An in-process vLLM engine bound to this rank (see the module docstring)."""
 
     def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  max_model_len: int = 2048, seed: int = 0, dtype: str = "bfloat16", enforce_eager: bool = False,
-                 load_format: str = "auto", max_num_seqs: int = 1024):
+                 load_format: str = "auto", max_num_seqs: int = 1024, torch_compile: bool = False):
         from vllm import LLM  # imported here: importing rollout must not need vLLM
 
         # vLLM's engine core runs in this process: required to pass weight iterators to it.
@@ -108,6 +127,8 @@ class VLLMEngine:
             # Created after init_process_group: vLLM joins torchrun's world instead of making its
             # own world-size-1 group (which would silently stop FSDP from sharding).
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if self.on_gpu and not enforce_eager and not torch_compile:
+            kwargs["compilation_config"] = graphs_without_compile(max_num_seqs)
         _register_in_process(model_path)
         self.llm = LLM(
             model=model_path,

@@ -196,6 +196,17 @@ def compile_layers(model: torch.nn.Module, with_grad: bool = False) -> torch.nn.
     return model
 
 
+def compute_device(model: torch.nn.Module) -> torch.device:
+    """The device `model`'s forward computes on, where its inputs belong. That is its parameters'
+    device, except under CPU offload (`apply_fsdp2(cpu_offload=True)`): FSDP2 then keeps the shards
+    on the CPU and gathers them onto its mesh's accelerator for each forward."""
+    param = next(model.parameters())
+    kind = param.device_mesh.device_type if isinstance(param, DTensor) else param.device.type
+    if kind == param.device.type:
+        return param.device
+    return torch.device(kind, torch.accelerator.current_device_index())
+
+
 def hf_name(name: str) -> str:
     """A parameter name as the Hugging Face checkpoint spells it (wrapper prefixes removed)."""
     return _WRAPPER_PREFIXES.sub("", name)

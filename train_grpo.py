@@ -60,6 +60,9 @@ class Args:
     gpu_memory_utilization: float = field(default=0.6, metadata={"help": "vLLM's share of GPU memory while awake"})
     max_num_seqs: int = field(default=1024, metadata={
         "help": "sequences vLLM decodes at once; the rest of a step's batch waits for free slots"})
+    rollout_compile: bool = field(default=False, metadata={
+        "help": "run vLLM's model through torch.compile (vLLM's default); off: CUDA graphs of the uncompiled "
+        "forward, which starts ~20 s sooner on a fresh machine (docs/benchmarks.md)"})
     # actor update
     ppo_mini_batch_size: int = field(default=64, metadata={"help": "prompts per optimizer step (x rollout_n inside)"})
     ppo_micro_batch_size_per_gpu: int = field(default=4, metadata={"help": "sequences per forward/backward"})
@@ -297,7 +300,7 @@ def forward_log_probs(model, samples, temperature, packed, with_entropy, entropy
     """log pi(y_t | x, y_<t) of each response token, (b, T), and the entropy (b, T) if asked
     (without a gradient unless `entropy_grad`: as a metric only, it needs no backward through the
     softmax over the vocabulary)."""
-    device = next(model.parameters()).device
+    device = sharding.compute_device(model)  # not the parameters' under --param_offload
     batch = collate(samples, packed, device)
     rows, cols, b, T = batch.pop("unpack")
     logits = model(**batch, use_cache=False).logits
@@ -714,6 +717,7 @@ def main(args):
     models_loaded = seconds_since_launch()
     engine = make_engine(args.rollout_engine, args.model, tensor_parallel_size=args.tensor_model_parallel_size,
                          gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+                         torch_compile=args.rollout_compile,
                          seed=args.seed,
                          max_model_len=args.max_prompt_length + args.max_response_length,
                          dtype="bfloat16" if device.type == "cuda" else "float32",

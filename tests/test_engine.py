@@ -80,6 +80,29 @@ def test_logprob_gap_by_hand():
     assert logprob_gap(log_probs, rollout_log_probs, torch.zeros(2, 3)) == 0.0
 
 
+def test_graphs_without_compile_capture_sizes():
+    # vLLM's grid (1, 2, 4, then every 8 tokens) below 256, every 32 to 1024, every 128 above, up to
+    # max_num_seqs (one token per decoding sequence), at most 4,096
+    sizes = lambda n: rollout.graphs_without_compile(n)["cudagraph_capture_sizes"]  # noqa: E731
+    assert sizes(1) == [1]
+    assert sizes(6) == [1, 2, 4, 6]
+    assert sizes(300)[-3:] == [256, 288, 300]
+    assert sizes(1024)[32:38] == [240, 248, 256, 288, 320, 352]
+    assert sizes(1024)[-3:] == [960, 992, 1024] and len(sizes(1024)) == 3 + 31 + 24 + 1
+    assert sizes(2048)[-3:] == [1792, 1920, 2048]
+    assert sizes(10_000)[-1] == 4096 and sizes(10_000) == sizes(4096)
+    assert all(a < b for a, b in zip(sizes(4096), sizes(4096)[1:]))
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM")
+def test_graphs_without_compile_is_a_valid_vllm_config():
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
+
+    config = CompilationConfig(**rollout.graphs_without_compile(16))
+    assert config.mode == CompilationMode.NONE and config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    assert config.cudagraph_capture_sizes == [1, 2, 4, 8, 16]
+
+
 def test_make_engine_rejects_unknown_kind():
     with pytest.raises(ValueError, match="vllm or hf"):
         rollout.make_engine("sglang", "unused")
@@ -262,6 +285,28 @@ def test_iter_full_tensors_on_one_rank_copies_without_a_collective(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SINGLE_RANK], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_compute_device_under_cpu_offload(monkeypatch):
+    """Inputs go where the forward computes: the parameters' device, or the mesh's accelerator when
+    FSDP2 offloads the shards to the CPU (as --param_offload / --ref_param_offload do on a GPU)."""
+    import types
+
+    import sharding
+
+    plain = torch.nn.Linear(2, 2)
+    assert sharding.compute_device(plain) == torch.device("cpu")
+
+    class FakeDTensor(torch.nn.Parameter):  # a CPU shard of a parameter sharded over a CUDA mesh
+        device_mesh = types.SimpleNamespace(device_type="cuda")
+
+    offloaded = torch.nn.Module()
+    offloaded.weight = FakeDTensor(torch.zeros(2))
+    monkeypatch.setattr(sharding, "DTensor", FakeDTensor)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 3)
+    assert sharding.compute_device(offloaded) == torch.device("cuda", 3)
+    FakeDTensor.device_mesh = types.SimpleNamespace(device_type="cpu")  # gloo on CPU: nothing moves
+    assert sharding.compute_device(offloaded) == torch.device("cpu")
 
 
 def test_iter_full_tensors_equals_unsharded_state_dict(ranks):

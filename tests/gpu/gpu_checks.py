@@ -60,6 +60,8 @@ def main(model_path, out_path):
                                                  attn_implementation=sharding.PACKED_ATTENTION).to(device)
     sharding.apply_fsdp2(actor)
     engine = VLLMEngine(model_path, gpu_memory_utilization=0.3, max_model_len=1024, load_format="dummy")
+    config = engine.llm.llm_engine.vllm_config.compilation_config
+    res["engine_compilation"] = {"mode": int(config.mode), "cudagraph_mode": config.cudagraph_mode.name}
     push = lambda: engine.update_weights(sharding.iter_full_tensors(actor, torch.bfloat16))  # noqa: E731
     push()
     prompts = [list(range(100 + i, 140 + i)) for i in range(8)]
@@ -80,6 +82,15 @@ def main(model_path, out_path):
     lp = train_grpo.batched_log_probs(actor, samples, 8, 1.0, True, T)
     rlp = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for o in sampled for s in o], device=device)
     res["logprob_gap_bf16"] = logprob_gap(lp, rlp, train_grpo.response_targets(samples, T, device)[1])
+    # the same model with its shards offloaded to the CPU (--param_offload, --ref_param_offload) computes
+    # on the GPU and gives the same log-probs
+    offloaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                     attn_implementation=sharding.PACKED_ATTENTION)
+    offloaded.load_state_dict({n: t.cpu() for n, t in sharding.iter_full_tensors(actor)}, strict=False)
+    sharding.apply_fsdp2(offloaded, cpu_offload=True)
+    off_lp = train_grpo.batched_log_probs(offloaded, samples, 8, 1.0, True, T)
+    res["offloaded_log_prob_max_diff"] = (off_lp - lp).abs().max().item()
+    del offloaded
     sharding.reshard(actor)  # the no-grad forward above left the root's bf16 copies in place
     with torch.no_grad():
         for n, p in actor.named_parameters():

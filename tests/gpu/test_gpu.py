@@ -40,16 +40,20 @@ def test_engine_on_gpu(tmp_path):
     assert res["restore_restores_output"]
     assert res["sync_from_sleep_same_output"]
     assert res["logprob_gap_bf16"] < 0.05
+    assert res["offloaded_log_prob_max_diff"] < 1e-3  # the same bf16 computation, on shards kept on the CPU
     assert res["freed_by_sleep_gib"] > 1.0
     assert res["checkpoint_roundtrip_max_diff"] == 0.0
-    # the export, loaded by plain vLLM in a fresh process, generates what the engine generated
-    script = ("import json,sys; from vllm import LLM, SamplingParams; llm=LLM(model=sys.argv[1], "
-              "gpu_memory_utilization=0.3, max_model_len=1024); "
+    assert res["engine_compilation"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # no torch.compile
+    # the export, loaded by vLLM in a fresh process (configured as the engine, so that bf16 rounding in
+    # different kernels cannot tell the two apart), generates what the engine generated
+    script = ("import json,sys; from vllm import LLM, SamplingParams; from rollout import graphs_without_compile; "
+              "llm=LLM(model=sys.argv[1], gpu_memory_utilization=0.3, max_model_len=1024, "
+              "compilation_config=graphs_without_compile(1024)); "
               "o=llm.generate([{'prompt_token_ids': p} for p in json.loads(sys.argv[2])], "
               "SamplingParams(temperature=0, max_tokens=24)); "
               "print('TOKENS', json.dumps([list(x.outputs[0].token_ids) for x in o]))")
     proc = subprocess.run([sys.executable, "-c", script, res["export_dir"], json.dumps(res["prompts"])],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     line = [x for x in proc.stdout.splitlines() if x.startswith("TOKENS ")]
     assert line, proc.stderr[-5000:]
     assert json.loads(line[0][len("TOKENS "):]) == res["greedy_tokens"]
