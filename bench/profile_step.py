@@ -181,7 +181,19 @@ def main(a):
     if up_fit:
         print("\nupdate micro-batch (forward + backward), top operators by device time:\n" + top_ops(
             update_profile, device, out and os.path.join(out, "profile_update.txt")), flush=True)
+    print(compile_summary(), flush=True)
     dist.destroy_process_group()
+
+
+def compile_summary(top=12):
+    """Where torch.compile's time went in this process: graphs compiled, and the `top` phases by
+    total seconds (torch._dynamo's own timers; nested, so they overlap)."""
+    from torch._dynamo.utils import compile_times, counters
+    names, values = compile_times(repr="csv", aggregate=True)
+    rows = sorted(((float(v), n) for n, v in zip(names, values) if v != ""), reverse=True)[:top]
+    stats = dict(counters["stats"])
+    return (f"\ntorch.compile: {stats.get('unique_graphs', 0)} graphs, {stats.get('calls_captured', 0)} calls "
+            "captured; seconds by phase (nested timers):\n" + "\n".join(f"{v:9.1f}  {n}" for v, n in rows))
 
 
 if __name__ == "__main__":

@@ -83,6 +83,9 @@ def test_profile_step_runs_on_a_tiny_model(tmp_path):
     assert len(diff) == 1 and float(diff[0].split()[-3].rstrip(",")) < 1e-4, proc.stdout
     for name in ("profile_log_prob.txt", "profile_update.txt"):
         assert "aten::" in (tmp_path / "out" / name).read_text()
+    # the compile summary: the train mode compiled graphs, and reports where the time went
+    summary = proc.stdout[proc.stdout.index("torch.compile: "):]
+    assert int(summary.split()[1]) > 0 and "_compile.compile_inner" in summary, summary
 
 
 def test_random_model_has_the_shape_and_the_tokenizer(tmp_path, monkeypatch):
