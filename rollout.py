@@ -8,7 +8,9 @@ own layout), each group generates its own share of the prompts, and ranks of one
 seed so they sample identically. Between rollouts the engine sleeps at level 2 (weights and KV
 cache released on the GPU); `update_weights` wakes the weights, streams the trainer's full
 tensors into vLLM's loaders (which cut their tensor-parallel slices themselves), then wakes the
-KV cache. On CPU, sleep is a no-op in vLLM and the same reload path is used.
+KV cache. On CPU, sleep is a no-op in vLLM and the same reload path is used. On GPU the engine
+does not run vLLM's torch.compile by default; it captures CUDA graphs of vLLM's own kernels for
+every decoding batch size (`graphs_without_compile`), which starts sooner and decodes faster.
 
 `logprob_gap` is the sync-parity check: vLLM reports the log-prob of each token it sampled; the
 trainer recomputes it. If the pushed weights were stale or mangled the gap jumps, so the train
