@@ -7,6 +7,7 @@
 #   bash bench/gpu_all.sh grpo_compiled  # 5 GRPO steps, update compiled, 49k/64k-token micro-batches
 #   bash bench/gpu_all.sh scale_1 scale_1_warm gen_seqs  # 3 GRPO steps on a fresh machine, again with its
 #                                   # caches warm, and with all 1,280 sequences of a step decoding at once
+#   bash bench/gpu_all.sh scale_1_vllm_compile  # the same 3 steps with vLLM's torch.compile (--rollout_compile)
 #   bash bench/gpu_all.sh ppo       # 3 PPO steps of the quickstart shape + the per-phase table
 #   bash bench/gpu_all.sh learn     # GRPO on GSM8K, resumable across calls (LEARN_DIR), + the per-phase table
 #   bash bench/gpu_all.sh val       # --val_only of the base model: strict/flexible greedy mean@1, pass@5
@@ -82,6 +83,8 @@ for part in "${parts[@]}"; do
                           --ppo_max_token_len_per_gpu 49152 --log_prob_max_token_len_per_gpu 65536)" ;;
     scale_1) cmd="$(scale_run 1 1 train_grpo.py scale_1_tp1)" ;;
     scale_1_warm) cmd="$(scale_run 1 1 train_grpo.py scale_1_warm)" ;;  # after scale_1: time to step 1, caches warm
+    # the same 3 steps with vLLM compiling (its default) instead of the engine's graphs without compile
+    scale_1_vllm_compile) cmd="$(scale_run 1 1 train_grpo.py scale_1_vllm_compile --rollout_compile true)" ;;
     # the same seeds and prompts with no sequence waiting for a decoding slot (1,280 per step <= 2,048)
     gen_seqs) cmd="$(scale_run 1 1 train_grpo.py gen_seqs --max_num_seqs 2048)" ;;
     scale_tp1) cmd="$(scale_run "$NPROC" 1 train_grpo.py "scale_${NPROC}_tp1")" ;;
@@ -95,7 +98,7 @@ for part in "${parts[@]}"; do
     profile) cmd="TORCH_LOGS=recompiles $PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT \
                   --modes eager all train --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 --repeats 2" ;;
     *) echo "unknown part $part (test, engine, sync, grpo, grpo_compiled, ppo, learn, val, profile, qwen3, scale,"\
-            "scale_1, scale_1_warm, gen_seqs, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
+            "scale_1, scale_1_warm, scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
   esac
   echo "== $part: $cmd"
   timeout -k 20 "$LIMIT" bash -c "$cmd" > "$OUT/$part.log" 2>&1
