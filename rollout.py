@@ -99,10 +99,11 @@ def graphs_without_compile(max_num_seqs: int) -> dict:
     batches of up to min(2 * max_num_seqs, 512) tokens. Without compiling, vLLM runs its own fused
     kernels (RMSNorm, rotary, SiLU-and-mul) and captures the whole forward, attention included, as
     one graph per decoding batch size ("FULL_DECODE_ONLY"; batches with prompt tokens run eagerly:
-    graphs of those, "FULL", gave wrong log-probs with vLLM 0.26 on an H200). Replayed graphs leave no Python between kernels, which is what compiling mostly buys a model
-    this small. A rollout starts with max_num_seqs sequences decoding at once, so graphs are
-    captured up to that many (at most 4,096), more coarsely above 256, where padding a batch to the
-    next size costs little. docs/benchmarks.md has the measured comparison.
+    graphs of those, "FULL", gave wrong log-probs with vLLM 0.26 on an H200). Replayed graphs leave
+    no Python between kernels, which is what compiling mostly buys a model this small. A rollout
+    starts with max_num_seqs sequences decoding at once, so graphs are captured up to that many (at
+    most 4,096), more coarsely above 256, where padding a batch to the next size costs little.
+    docs/benchmarks.md has the measured comparison.
     """
     cap = min(max_num_seqs, 4096)
     grid = [1, 2, 4, *range(8, 256, 8), *range(256, 1024, 32), *range(1024, 4096, 128)]

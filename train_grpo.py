@@ -718,8 +718,7 @@ def main(args):
     models_loaded = seconds_since_launch()
     engine = make_engine(args.rollout_engine, args.model, tensor_parallel_size=args.tensor_model_parallel_size,
                          gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                         torch_compile=args.rollout_compile,
-                         seed=args.seed,
+                         torch_compile=args.rollout_compile, seed=args.seed,
                          max_model_len=args.max_prompt_length + args.max_response_length,
                          dtype="bfloat16" if device.type == "cuda" else "float32",
                          enforce_eager=device.type != "cuda", load_format="dummy")
