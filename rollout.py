@@ -194,6 +194,15 @@ class VLLMEngine:
             self.llm.wake_up()
         self.sleeping = False
 
+    def unbacked_bytes(self) -> int:
+        """GPU bytes that torch's allocator counts as allocated but the sleeping engine holds no memory
+        for: its sleep-mode pool keeps its tensors while their memory is released. 0 while awake."""
+        if not (self.on_gpu and self.sleeping):
+            return 0
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        return CuMemAllocator.get_instance().get_current_usage()
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full tensors named as in the Hugging Face checkpoint into the engine.
 
@@ -301,6 +310,9 @@ class HFEngine:
 
     def wake_up(self) -> None:
         pass
+
+    def unbacked_bytes(self) -> int:
+        return 0
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

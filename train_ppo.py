@@ -569,25 +569,36 @@ def sync(device):
 
 
 class Timer:
-    """`with timer("gen"):` adds the seconds spent inside to metrics["timing_s/gen"] (nestable)."""
+    """`with timer("gen"):` adds the seconds spent inside to metrics["timing_s/gen"] (nestable), and on a
+    GPU the phase's peak memory to metrics["perf/max_memory_allocated_gb/gen"] (innermost phases only).
 
-    def __init__(self, metrics, device):
-        self.metrics, self.device = metrics, device
+    torch counts a sleeping engine's pool as allocated though the engine has released its memory, so a
+    phase that starts and ends with the engine asleep subtracts it: the peak is what the GPU held."""
+
+    def __init__(self, metrics, device, engine=None):
+        self.metrics, self.device, self.engine = metrics, device, engine
+        self.inner_done = False  # a phase nested in the current one has recorded its peak
 
     @contextlib.contextmanager
     def __call__(self, name):
         sync(self.device)
         cuda = self.device.type == "cuda"
-        if cuda:  # peak memory per phase (it counts the engine's pool too, when awake)
+        if cuda:
             torch.cuda.reset_peak_memory_stats()
+        unbacked = self.engine.unbacked_bytes() if self.engine is not None else 0
+        self.inner_done = False
         t0 = time.perf_counter()
         yield
         sync(self.device)
         key = f"timing_s/{name}"
         self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - t0
-        if cuda:
+        if self.engine is not None and self.engine.unbacked_bytes() != unbacked:
+            unbacked = 0  # the engine woke or slept inside the phase: its peak may include the pool
+        if cuda and not self.inner_done:  # an outer phase's peak was reset by its inner phases
             key = f"perf/max_memory_allocated_gb/{name}"
-            self.metrics[key] = max(self.metrics.get(key, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+            peak = (torch.cuda.max_memory_allocated() - unbacked) / 2**30
+            self.metrics[key] = max(self.metrics.get(key, 0.0), peak)
+        self.inner_done = True
 
 
 class Logger:
@@ -788,9 +799,23 @@ def rollout(engine, examples, args, tokenizer, reward_fn, seed, n, temperature):
     return [g for gs, _ in gathered for g in gs], sum(e for _, e in gathered)
 
 
+def pass_ks(n):
+    """The k of the pass@k reported for n samples per problem: powers of two below n, and n (none for 1)."""
+    return sorted({2**i for i in range(n.bit_length()) if 2**i < n} | {n}) if n > 1 else []
+
+
+def pass_at_k(correct, k):
+    """Unbiased pass@k (Chen et al., 2021) from n >= k samples per problem, c of them correct: the chance
+    that k of the n, drawn without replacement, include a correct one, 1 - C(n - c, k) / C(n, k),
+    averaged over problems. correct: (problems, n) booleans. pass@n is the share with any correct."""
+    n = correct.shape[1]
+    return float(np.mean([1.0 - math.comb(n - int(c), k) / math.comb(n, k) for c in correct.sum(1)]))
+
+
 def validate(engine, val, args, tokenizer, reward_fn, n=1, temperature=0.0):
     """Greedy mean@1 (strict: the training reward; flexible: the last number) per data source, and
-    with n > 1 sampled mean@n and pass@n. Uneven shares are fine: groups generate independently."""
+    with n > 1 sampled mean@n and pass@k for k = 1, 2, 4, ..., n. Uneven shares are fine: groups
+    generate independently."""
     examples = val.examples[:args.max_val_samples] if args.max_val_samples else val.examples
     share = examples[engine.dp_rank::engine.dp_size]
     outs = engine.generate([e.prompt_ids for e in share], n=n, temperature=temperature, top_p=1.0, top_k=-1,
@@ -813,8 +838,8 @@ def validate(engine, val, args, tokenizer, reward_fn, n=1, temperature=0.0):
             if np.isnan(vals).all():
                 continue
             metrics[f"val-core/{source}/{name}/mean@{n}"] = float(vals.mean())
-            if n > 1:
-                metrics[f"val-core/{source}/{name}/pass@{n}"] = float((vals.max(1) > 0).mean())
+            for k in pass_ks(n):
+                metrics[f"val-core/{source}/{name}/pass@{k}"] = pass_at_k(vals > 0, k)
         metrics[f"val-aux/{source}/response_length/mean"] = float(np.mean([x for r in mine for x in r[3]]))
     return metrics
 
@@ -916,7 +941,7 @@ def main(args):
     bar = tqdm(total=total_steps, initial=step, disable=rank != 0, desc="steps")
     while step < total_steps:
         step += 1
-        metrics, timer = {}, Timer({}, device)
+        metrics, timer = {}, Timer({}, device, engine)
         with timer("step"):
             # 1 generate: the engine (awake, holding the latest weights) samples n responses per prompt
             # 2 score: rule or user reward per response, in the same call

@@ -11,6 +11,7 @@
 #   bash bench/gpu_all.sh ppo       # 3 PPO steps of the quickstart shape + the per-phase table
 #   bash bench/gpu_all.sh learn     # GRPO on GSM8K, resumable across calls (LEARN_DIR), + the per-phase table
 #   bash bench/gpu_all.sh val       # --val_only of the base model: strict/flexible greedy mean@1, pass@5
+#                                   # (VAL_ARGS="--val_n 16": pass@16, the room GRPO has to sharpen into)
 #   bash bench/gpu_all.sh profile   # log-prob and update passes, eager and compiled: TFLOP/s, host vs device, kernels,
 #                                   # where compiling took its time and why it recompiled
 #   bash bench/gpu_all.sh qwen3     # 1 GRPO step of the Qwen3-1.7B tutorial shape on a random-init Qwen3-1.7B
@@ -21,7 +22,8 @@
 #                                        # (runs under RUNS, their metrics copied to OUT)
 # MODEL (a Hugging Face folder), DATA (GSM8K parquet folder), PY (python), LIMIT (seconds per part),
 # RUNS (a folder that outlives one call, for checkpoints), LEARN_DIR (the learning run's folder, default
-# RUNS/learn), LEARN_ARGS (extra flags of the learning run; a flag given twice takes the last value).
+# RUNS/learn), LEARN_ARGS (extra flags of the learning run; a flag given twice takes the last value),
+# VAL_ARGS (extra flags of the val part).
 set -u
 OUT=${OUT:-bench_out}
 MODEL=${MODEL:-/tmp/models/qwen2.5-coder-0.5b-instruct}
@@ -31,6 +33,7 @@ LIMIT=${LIMIT:-540}
 RUNS=${RUNS:-/tmp/runs}
 LEARN_DIR=${LEARN_DIR:-$RUNS/learn}
 LEARN_ARGS=${LEARN_ARGS:-}
+VAL_ARGS=${VAL_ARGS:-}
 NPROC=${NPROC:-2}
 mkdir -p "$OUT"
 # micro-batches by token budget: few, large forwards (the sequences are packed, attention is varlen)
@@ -67,7 +70,7 @@ for part in "${parts[@]}"; do
                  --export_final false --resume_mode auto --default_local_dir $LEARN_DIR $LEARN_ARGS" ;;
     val)    cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data --val_only \
                  --val_n 5 --val_temperature 1.0 --max_response_length 512 --default_local_dir $OUT/val \
-                 --resume_mode disable" ;;
+                 --resume_mode disable $VAL_ARGS" ;;
     # the Qwen3 tutorial: 1024 prompts x 3, mini-batch 80, responses up to 1024 (random weights rarely stop)
     qwen3)  cmd="$PY bench/random_model.py --shape qwen3-1.7b --tokenizer $MODEL --out /tmp/models/random-qwen3-1.7b \
                  && $PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model /tmp/models/random-qwen3-1.7b \

@@ -611,3 +611,70 @@ def test_a_last_partial_mini_batch_is_its_own_global_mean(model, monkeypatch):
     for got, want in ((partial[0], first[0]), (partial[1], last[0])):
         for name in want:
             torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+class FakeCudaMemory:
+    """torch.cuda's peak counter, driven by the test: `peak` is what the next phase reaches."""
+
+    def __init__(self, monkeypatch):
+        self.peak = 0
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: self.peak)
+
+
+class SleepyEngine:
+    """The engine's side of the memory accounting: a 80 GiB sleep-mode pool torch keeps counting."""
+
+    def __init__(self):
+        self.sleeping = False
+
+    def unbacked_bytes(self):
+        return 80 * 2**30 if self.sleeping else 0
+
+
+@pytest.mark.parametrize("script", ["train_grpo", "train_ppo"])
+def test_phase_peaks_leave_out_the_sleeping_engines_pool(script, monkeypatch):
+    """By hand, in GiB: torch counts the engine's 80 GiB pool all along. gen peaks at 90 with the engine
+    awake (it sleeps at the end: kept, 90); the update peaks at 130 with it asleep throughout: 130 - 80
+    = 50; the sync peaks at 95 and wakes it: kept, 95. The outer step records no peak of its own (its
+    inner phases reset the counter), and without an engine nothing is subtracted."""
+    import train_ppo
+
+    Timer = (train_grpo if script == "train_grpo" else train_ppo).Timer
+    memory, engine, metrics = FakeCudaMemory(monkeypatch), SleepyEngine(), {}
+    timer = Timer(metrics, torch.device("cuda"), engine)
+    with timer("step"):
+        with timer("gen"):
+            memory.peak = 90 * 2**30
+            engine.sleeping = True
+        with timer("update_actor"):
+            memory.peak = 130 * 2**30
+        with timer("update_weights"):
+            memory.peak = 95 * 2**30
+            engine.sleeping = False
+    peaks = {k.split("/")[-1]: v for k, v in metrics.items() if k.startswith("perf/max_memory_allocated_gb/")}
+    assert peaks == {"gen": 90.0, "update_actor": 50.0, "update_weights": 95.0}
+    assert set(metrics) - {f"perf/max_memory_allocated_gb/{k}" for k in peaks} == {
+        "timing_s/step", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights"}
+    engine.sleeping, plain = True, {}
+    with Timer(plain, torch.device("cuda"))("save_checkpoint"):
+        memory.peak = 130 * 2**30
+    assert plain["perf/max_memory_allocated_gb/save_checkpoint"] == 130.0
+
+
+@pytest.mark.parametrize("script", ["train_grpo", "train_ppo"])
+def test_pass_at_k_by_hand(script):
+    """Three problems, 4 samples each, with 1, 2 and 0 correct. pass@1 = (1/4 + 2/4 + 0) / 3 = 0.25;
+    pass@2 = mean(1 - C(3,2)/C(4,2), 1 - C(2,2)/C(4,2), 0) = (1/2 + 5/6 + 0) / 3 = 4/9;
+    pass@4 = (1 + 1 + 0) / 3 = 2/3, the share with any correct."""
+    import numpy as np
+    import train_ppo
+
+    module = train_grpo if script == "train_grpo" else train_ppo
+    correct = np.array([[1, 0, 0, 0], [0, 1, 0, 1], [0, 0, 0, 0]]) > 0
+    assert module.pass_at_k(correct, 1) == pytest.approx(0.25)
+    assert module.pass_at_k(correct, 2) == pytest.approx(4 / 9)
+    assert module.pass_at_k(correct, 4) == pytest.approx(2 / 3)
+    assert module.pass_ks(1) == [] and module.pass_ks(4) == [1, 2, 4]
+    assert module.pass_ks(5) == [1, 2, 4, 5] and module.pass_ks(16) == [1, 2, 4, 8, 16]

@@ -183,6 +183,35 @@ def test_resuming_a_finished_run_does_nothing(assets, hf_run):
     assert sorted(os.listdir(hf_run)) == checkpoints
 
 
+def test_val_only_scores_the_base_model_and_a_checkpoint(assets, hf_run):
+    """--val_only: greedy mean@1 and, with --val_n 4, sampled mean@4 and pass@1/2/4, strict (here the
+    custom reward) and flexible. Its greedy scores equal the ones the training run logged: the base
+    model's before training, and, pointed at the run's last checkpoint, those weights' at that step."""
+    sampled = ["--val_only", "--val_n", "4", "--val_temperature", "1.0"]
+    base_dir, ckpt_dir = assets["tmp"] / "val_only_base", assets["tmp"] / "val_only_ckpt"
+    base = launch(flags(assets, base_dir, "hf", 2, "disable", *sampled))
+    assert base.returncode == 0, base.output[-6000:]
+    ckpt = launch(flags(assets, ckpt_dir, "hf", 2, str(hf_run / "global_step_2"), *sampled))
+    assert ckpt.returncode == 0, ckpt.output[-6000:]
+    assert "resumed from" in ckpt.output and "step:1" not in ckpt.output  # scored, did not train
+    (base_row,), (ckpt_row,) = metrics_by_step(base_dir).values(), metrics_by_step(ckpt_dir).values()
+    assert base_row["step"] == 0 and ckpt_row["step"] == 2
+    prefix = "val-core/openai/gsm8k/"
+    for row in (base_row, ckpt_row):
+        for name in ("reward", "reward_flexible"):
+            k = {s: row[f"{prefix}{name}/{s}"] for s in ("mean@1", "mean@4", "pass@1", "pass@2", "pass@4")}
+            assert all(0 <= v <= 1 for v in k.values()), k
+            assert k["pass@1"] <= k["pass@2"] <= k["pass@4"], k
+        # flexible scores are 0 or 1, so pass@1 is the mean of the samples
+        assert row[f"{prefix}reward_flexible/pass@1"] == pytest.approx(row[f"{prefix}reward_flexible/mean@4"])
+    logged = metrics_by_step(hf_run)  # the run validated before training (step 0) and at step 2
+    for name in ("reward", "reward_flexible"):
+        key = f"{prefix}{name}/mean@1"
+        assert base_row[key] == pytest.approx(logged[0][key], abs=1e-9)
+        assert ckpt_row[key] == pytest.approx(logged[2][key], abs=1e-9)
+    assert base_row[f"{prefix}reward/mean@1"] != ckpt_row[f"{prefix}reward/mean@1"]  # the weights differ
+
+
 def write_parquet_without(src, dst, column):
     table = pq.read_table(src)
     pq.write_table(table.drop([column]), dst)

@@ -100,8 +100,13 @@ def main(model_path, out_path):
 
     # level-2 sleep releases the weights and the KV cache; a sync from sleep gives the same output
     awake = used_gib()
+    res["unbacked_gib_awake"] = engine.unbacked_bytes() / 2**30
     engine.sleep()
     res["freed_by_sleep_gib"] = awake - used_gib()
+    # torch still counts the sleeping pool as allocated; the train scripts' phase peaks subtract it
+    res["unbacked_gib_asleep"] = engine.unbacked_bytes() / 2**30
+    res["allocated_less_unbacked_gib"] = (torch.cuda.memory_allocated() - engine.unbacked_bytes()) / 2**30
+    res["used_asleep_gib"] = used_gib()
     push()
     res["sync_from_sleep_same_output"] = greedy() == before
 

@@ -42,6 +42,11 @@ def test_engine_on_gpu(tmp_path):
     assert res["logprob_gap_bf16"] < 0.05
     assert res["offloaded_log_prob_max_diff"] < 1e-3  # the same bf16 computation, on shards kept on the CPU
     assert res["freed_by_sleep_gib"] > 1.0
+    # the pool the sleeping engine released is what torch keeps counting: without it, the allocated
+    # bytes fit in what the driver reports in use
+    assert res["unbacked_gib_awake"] == 0 and res["unbacked_gib_asleep"] > 1.0
+    assert res["unbacked_gib_asleep"] <= res["freed_by_sleep_gib"] + 0.5  # sleeping released the pool
+    assert 0 <= res["allocated_less_unbacked_gib"] <= res["used_asleep_gib"]
     assert res["checkpoint_roundtrip_max_diff"] == 0.0
     assert res["engine_compilation"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # no torch.compile
     # the export, loaded by vLLM in a fresh process (configured as the engine, so that bf16 rounding in
