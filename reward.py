@@ -1,4 +1,5 @@
-"""Rewards: pure `str -> float` scorers, dispatch by `data_source`, and loading a user's `compute_score`.
+"""Rewards: pure `str -> float` scorers, dispatch by `data_source`, loading a user's `compute_score`,
+and pass@k over the scores of sampled responses.
 
 A reward function has verl's signature
 
@@ -155,3 +156,19 @@ def score_batch(fn, data_sources, responses, ground_truths, extra_infos, reward_
     keys = sorted({k for row in rows for k in row})
     extras = {k: [row.get(k, 0.0) for row in rows] for k in keys}
     return scores, extras, n_errors
+
+
+# --- pass@k of sampled responses (validation with n samples per problem) ---
+def pass_ks(n):
+    """The k of the pass@k reported for n samples per problem: powers of two below n, and n (none for 1)."""
+    return sorted({2**i for i in range(n.bit_length()) if 2**i < n} | {n}) if n > 1 else []
+
+
+def pass_at_k(correct, k):
+    """Unbiased pass@k (Chen et al., 2021) from n >= k samples per problem, c of them correct: the chance
+    that k of the n, drawn without replacement, include a correct one, 1 - C(n - c, k) / C(n, k),
+    averaged over problems. correct: one row of n booleans per problem. pass@n is the share with any
+    correct."""
+    counts = [sum(map(bool, row)) for row in correct]
+    n = len(correct[0])
+    return sum(1.0 - math.comb(n - c, k) / math.comb(n, k) for c in counts) / len(counts)

@@ -799,19 +799,6 @@ def rollout(engine, examples, args, tokenizer, reward_fn, seed, n, temperature):
     return [g for gs, _ in gathered for g in gs], sum(e for _, e in gathered)
 
 
-def pass_ks(n):
-    """The k of the pass@k reported for n samples per problem: powers of two below n, and n (none for 1)."""
-    return sorted({2**i for i in range(n.bit_length()) if 2**i < n} | {n}) if n > 1 else []
-
-
-def pass_at_k(correct, k):
-    """Unbiased pass@k (Chen et al., 2021) from n >= k samples per problem, c of them correct: the chance
-    that k of the n, drawn without replacement, include a correct one, 1 - C(n - c, k) / C(n, k),
-    averaged over problems. correct: (problems, n) booleans. pass@n is the share with any correct."""
-    n = correct.shape[1]
-    return float(np.mean([1.0 - math.comb(n - int(c), k) / math.comb(n, k) for c in correct.sum(1)]))
-
-
 def validate(engine, val, args, tokenizer, reward_fn, n=1, temperature=0.0):
     """Greedy mean@1 (strict: the training reward; flexible: the last number) per data source, and
     with n > 1 sampled mean@n and pass@k for k = 1, 2, 4, ..., n. Uneven shares are fine: groups
@@ -838,8 +825,8 @@ def validate(engine, val, args, tokenizer, reward_fn, n=1, temperature=0.0):
             if np.isnan(vals).all():
                 continue
             metrics[f"val-core/{source}/{name}/mean@{n}"] = float(vals.mean())
-            for k in pass_ks(n):
-                metrics[f"val-core/{source}/{name}/pass@{k}"] = pass_at_k(vals > 0, k)
+            for k in reward.pass_ks(n):
+                metrics[f"val-core/{source}/{name}/pass@{k}"] = reward.pass_at_k(vals > 0, k)
         metrics[f"val-aux/{source}/response_length/mean"] = float(np.mean([x for r in mine for x in r[3]]))
     return metrics
 

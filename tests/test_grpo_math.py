@@ -661,20 +661,3 @@ def test_phase_peaks_leave_out_the_sleeping_engines_pool(script, monkeypatch):
     with Timer(plain, torch.device("cuda"))("save_checkpoint"):
         memory.peak = 130 * 2**30
     assert plain["perf/max_memory_allocated_gb/save_checkpoint"] == 130.0
-
-
-@pytest.mark.parametrize("script", ["train_grpo", "train_ppo"])
-def test_pass_at_k_by_hand(script):
-    """Three problems, 4 samples each, with 1, 2 and 0 correct. pass@1 = (1/4 + 2/4 + 0) / 3 = 0.25;
-    pass@2 = mean(1 - C(3,2)/C(4,2), 1 - C(2,2)/C(4,2), 0) = (1/2 + 5/6 + 0) / 3 = 4/9;
-    pass@4 = (1 + 1 + 0) / 3 = 2/3, the share with any correct."""
-    import numpy as np
-    import train_ppo
-
-    module = train_grpo if script == "train_grpo" else train_ppo
-    correct = np.array([[1, 0, 0, 0], [0, 1, 0, 1], [0, 0, 0, 0]]) > 0
-    assert module.pass_at_k(correct, 1) == pytest.approx(0.25)
-    assert module.pass_at_k(correct, 2) == pytest.approx(4 / 9)
-    assert module.pass_at_k(correct, 4) == pytest.approx(2 / 3)
-    assert module.pass_ks(1) == [] and module.pass_ks(4) == [1, 2, 4]
-    assert module.pass_ks(5) == [1, 2, 4, 5] and module.pass_ks(16) == [1, 2, 4, 8, 16]

@@ -197,3 +197,17 @@ def test_score_batch_accepts_numpy_scalars():
     scores, extras, _ = score_batch(lambda **kw: {"score": np.float32(0.5), "acc": np.int64(1)}, ["a"], ["r"], ["1"],
                                     [None])
     assert scores == [0.5] and extras == {"acc": [1.0]}
+
+
+def test_pass_at_k_by_hand():
+    """Three problems, 4 samples each, with 1, 2 and 0 correct. pass@1 = (1/4 + 2/4 + 0) / 3 = 0.25;
+    pass@2 = mean(1 - C(3,2)/C(4,2), 1 - C(2,2)/C(4,2), 0) = (1/2 + 5/6 + 0) / 3 = 4/9;
+    pass@4 = (1 + 1 + 0) / 3 = 2/3, the share with any correct."""
+    import numpy as np
+
+    correct = np.array([[1, 0, 0, 0], [0, 1, 0, 1], [0, 0, 0, 0]]) > 0
+    assert reward.pass_at_k(correct, 1) == pytest.approx(0.25)
+    assert reward.pass_at_k(correct, 2) == pytest.approx(4 / 9)
+    assert reward.pass_at_k(correct, 4) == pytest.approx(2 / 3)
+    assert reward.pass_ks(1) == [] and reward.pass_ks(4) == [1, 2, 4]
+    assert reward.pass_ks(5) == [1, 2, 4, 5] and reward.pass_ks(16) == [1, 2, 4, 8, 16]
