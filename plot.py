@@ -1,10 +1,10 @@
-"""Draw one or more runs' metrics.jsonl as one PNG: python plot.py RUN [RUN ...] [--out FILE.png]
+"""Draw one or more runs' metrics.jsonl as one PNG: python plot.py RUN [RUN ...] [--out F.png] [--labels L ...]
 
 RUN is a run folder (the trainer's --default_local_dir, holding metrics.jsonl) or a .jsonl file;
-runs are named by their folder in the legend. Panels, against the step: the training score
-(critic/score/mean), validation (val-core/<data_source>/reward/mean@1, dashed: reward_flexible),
-response length, the KL term (actor/kl_loss, or actor/reward_kl_penalty when the KL is in the
-reward) and the policy's entropy; and where each step's time goes (timing_s/gen, old_log_prob,
+runs are named by their folder (or file) in the legend, or by --labels, one per run. Panels, against
+the step: the training score (critic/score/mean), validation (val-core/<data_source>/reward/mean@1,
+dashed: reward_flexible), response length, the KL term (actor/kl_loss, or actor/reward_kl_penalty
+when the KL is in the reward) and the policy's entropy; and where each step's time goes (timing_s/gen, old_log_prob,
 ref, values, adv, update_critic, update_actor, update_weights) as stacked bars: one bar per step
 for one run, the median of each phase for several (a step that compiles does not skew it).
 Metrics a run does not log (GRPO has no critic) are left out.
@@ -20,6 +20,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display needed
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 PHASES = ["gen", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights"]
@@ -70,22 +71,23 @@ def draw_lines(ax, runs, title, keys, colors):
 
 
 def draw_validation(ax, runs, colors):
-    drawn = False
+    """Each run's greedy validation score per data source, dashed where flexible. The colour names
+    the run (the figure's legend); this panel's legend names the data sources and line styles."""
+    styles = {}  # legend label -> line style, in drawing order
     for (name, rows), color in zip(runs, colors):
         keys = sorted({k for r in rows.values() for k in r if k.startswith("val-core/") and k.endswith("/mean@1")})
         for key in keys:
             steps, values = series(rows, key)
             flexible = "/reward_flexible/" in key
-            source = key.split("/")[1:-2]
-            label = ("/".join(source) if len(runs) == 1 else f"{name} {'/'.join(source)}") + (
-                " (flexible)" if flexible else "")
-            ax.plot(steps, values, color=color, linestyle="--" if flexible else "-", marker="o", markersize=3,
-                    label=label)
-            drawn = True
+            label = "/".join(key.split("/")[1:-2]) + (" (flexible)" if flexible else "")
+            styles[label] = "--" if flexible else "-"
+            ax.plot(steps, values, color=color, linestyle=styles[label], marker="o", markersize=3)
     ax.set_title("validation, greedy (val-core/*/reward/mean@1)", fontsize=10)
     ax.set_xlabel("step")
-    if drawn:
-        ax.legend(fontsize=7)
+    if styles:
+        line_color = colors[0] if len(runs) == 1 else "gray"
+        ax.legend([Line2D([], [], color=line_color, linestyle=ls, marker="o", markersize=3) for ls in styles.values()],
+                  list(styles), fontsize=7)
     else:
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
 
@@ -121,8 +123,14 @@ def draw_timing(ax, runs):
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
-def plot(paths, out):
+def plot(paths, out, labels=None):
+    """Draw the runs at `paths` into the PNG `out`; `labels` names them in the legend (default: their
+    folder or file names)."""
     runs = [load_run(p) for p in paths]
+    if labels:
+        if len(labels) != len(runs):
+            raise SystemExit(f"plot.py: {len(labels)} --labels for {len(runs)} runs; give one label per run")
+        runs = [(label, rows) for label, (_, rows) in zip(labels, runs)]
     colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(runs))]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     axes = axes.ravel()
@@ -134,7 +142,7 @@ def plot(paths, out):
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="upper center", ncol=min(len(runs), 6), fontsize=9)
-    for ax in axes:
+    for ax in axes if len(runs) == 1 else axes[:5]:  # several runs: the time panel's ticks name them
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     for ax in axes[:5]:
         ax.grid(alpha=0.3)
@@ -149,5 +157,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="run folders (holding metrics.jsonl) or .jsonl files")
     parser.add_argument("--out", default="metrics.png", help="the PNG to write")
+    parser.add_argument("--labels", nargs="+", help="the runs' names in the legend, one per run, in order")
     cli = parser.parse_args()
-    print(f"wrote {plot(cli.runs, cli.out)}")
+    print(f"wrote {plot(cli.runs, cli.out, cli.labels)}")

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import plot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,3 +48,22 @@ def test_command_line_one_run(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "one.png").stat().st_size > 10_000
+
+
+def test_labels_name_the_runs_and_the_validation_legend_names_line_styles(tmp_path, monkeypatch):
+    """--labels replace the folder names in the figure's legend; with several runs the validation
+    panel's legend names data sources and line styles only (the colour names the run), so it stays
+    small however many runs are drawn. A label count that does not match the runs is refused."""
+    runs = [write_run(tmp_path / f"run{i}", 3, critic=False) for i in range(3)]
+    figures = []
+    monkeypatch.setattr(plot.plt, "close", figures.append)
+    plot.plot(runs, tmp_path / "three.png", labels=["lr 1e-6", "lr 5e-6", "lr 1e-5"])
+    fig = figures[0]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["lr 1e-6", "lr 5e-6", "lr 1e-5"]
+    validation = fig.axes[1]
+    assert [t.get_text() for t in validation.get_legend().get_texts()] == ["arith", "arith (flexible)"]
+    assert len(validation.get_lines()) == 6  # strict and flexible for each run
+    assert [t.get_text() for t in fig.axes[5].get_xticklabels()] == ["lr 1e-6", "lr 5e-6", "lr 1e-5"]
+    with pytest.raises(SystemExit, match="2 --labels for 3 runs"):
+        plot.plot(runs, tmp_path / "bad.png", labels=["a", "b"])
+    assert not (tmp_path / "bad.png").exists()
