@@ -63,11 +63,13 @@ for part in "${parts[@]}"; do
     ppo)    cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_ppo.py --model $MODEL $data $steps $fast \
                  --critic_ppo_max_token_len_per_gpu 32768 --default_local_dir $OUT/ppo \
                  && $PY bench/phase_table.py $OUT/ppo/metrics.jsonl $plain" ;;
-    # the tutorial's GRPO settings with response length 512 and lr 5e-6 (docs/benchmarks.md); stopped
-    # by LIMIT, resumed by the next call
-    learn)  cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data $fast \
-                 --max_response_length 512 --actor_lr 5e-6 --total_training_steps 29 --test_freq 4 --save_freq 4 \
-                 --export_final false --resume_mode auto --default_local_dir $LEARN_DIR $LEARN_ARGS" ;;
+    # the tutorial's GRPO settings with response length 512, lr 5e-6 and the update compiled at the
+    # micro-batches where that pays (docs/benchmarks.md); stopped by LIMIT, resumed by the next call
+    learn)  cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data \
+                 --use_dynamic_bsz --ppo_max_token_len_per_gpu 49152 --log_prob_max_token_len_per_gpu 65536 \
+                 --compile_update true --max_response_length 512 --actor_lr 5e-6 --total_training_steps 32 \
+                 --test_freq 4 --save_freq 4 --export_final false --resume_mode auto --default_local_dir $LEARN_DIR \
+                 $LEARN_ARGS" ;;
     val)    cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data --val_only \
                  --val_n 5 --val_temperature 1.0 --max_response_length 512 --default_local_dir $OUT/val \
                  --resume_mode disable $VAL_ARGS" ;;
