@@ -10,6 +10,7 @@
 #   bash bench/gpu_all.sh scale_1_vllm_compile  # the same 3 steps with vLLM's torch.compile (--rollout_compile)
 #   bash bench/gpu_all.sh ppo       # 3 PPO steps of the quickstart shape + the per-phase table
 #   bash bench/gpu_all.sh learn     # GRPO on GSM8K, resumable across calls (LEARN_DIR), + the per-phase table
+#                                   # and the results table (bench/learn_table.py)
 #   bash bench/gpu_all.sh val       # --val_only of the base model: strict/flexible greedy mean@1, pass@5
 #                                   # (VAL_ARGS="--val_n 16": pass@16, the room GRPO has to sharpen into)
 #   bash bench/gpu_all.sh profile   # log-prob and update passes, eager and compiled: TFLOP/s, host vs device, kernels,
@@ -111,10 +112,7 @@ for part in "${parts[@]}"; do
   if [ "$part" = learn ] && [ -f "$LEARN_DIR/metrics.jsonl" ]; then
     cp "$LEARN_DIR/metrics.jsonl" "$OUT/learn_metrics.jsonl"
     $PY bench/phase_table.py "$OUT/learn_metrics.jsonl" $plain >> "$OUT/learn.log" 2>&1
-    grep -h '"step": ' "$OUT/learn_metrics.jsonl" | $PY -c "import json,sys
-for r in map(json.loads, sys.stdin):
-    v = {k: round(x, 3) for k, x in r.items() if k.startswith('val-core') and 'mean@1' in k}
-    if v: print('val step', r['step'], v)" >> "$OUT/learn.log"
+    $PY bench/learn_table.py "$OUT/learn_metrics.jsonl" >> "$OUT/learn.log" 2>&1
   fi
   grep -v -E "it/s\]|it/s$|^INFO|^\(|^WARNING" "$OUT/$part.log" | tail -25
 done

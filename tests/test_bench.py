@@ -8,6 +8,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import learn_table  # noqa: E402
 import phase_table  # noqa: E402
 import scaling_table  # noqa: E402
 
@@ -36,6 +37,43 @@ def test_table_and_summary(tmp_path, capsys):
     # the median over steps after the first: step 2 alone, 15 s against 6.25 s
     assert "median step 15.0 s; speed of light 6.2 s" in out and "2.40x" in out
     assert "step 1 ended 95 s after launch (17 s of it in the step)" in out
+
+
+def test_learn_table_by_hand(tmp_path, capsys):
+    """Training time sums the steps; wall time adds validation and checkpoints; a step run again after
+    a resume counts once, as its later line; the summary reads the last validation within the budget."""
+    val = lambda strict, flexible=None: {"val-core/a/reward/mean@1": strict} | (  # noqa: E731
+        {} if flexible is None else {"val-core/a/reward_flexible/mean@1": flexible})
+    rows = [{"step": 0} | val(0.0, 0.2),
+            {"step": 1, "timing_s/step": 30.0},
+            {"step": 2, "timing_s/step": 60.0, "timing_s/testing": 6.0, "timing_s/save_checkpoint": 3.0}
+            | val(0.5, 0.4),
+            {"step": 3, "timing_s/step": 100.0},  # stopped here; resumed from step 2's checkpoint
+            {"step": 3, "timing_s/step": 40.0},
+            {"step": 4, "timing_s/step": 20.0, "timing_s/testing": 7.0} | val(0.6)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    learn_table.main(str(path), minutes=2.5)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| step | training time | wall time (with validation, checkpoints) | a strict | a flexible |"
+    # training: 30 + 60 = 90 s; then + 40 + 20 = 150 s. wall: 90 + 6 + 3 = 99 s; then 99 + 40 + 20 + 7 = 166 s
+    assert lines[2:5] == ["| 0 | 0.0 min | 0.0 min | 0.000 | 0.200 |", "| 2 | 1.5 min | 1.6 min | 0.500 | 0.400 |",
+                          "| 4 | 2.5 min | 2.8 min | 0.600 |  |"]
+    assert lines[5] == "within 2.5 minutes of training: step 4 (2.5 min): a strict 0.000 -> 0.600"  # no flexible
+    learn_table.main(str(path), minutes=2)
+    assert capsys.readouterr().out.splitlines()[-1] == ("within 2 minutes of training: step 2 (1.5 min): "
+                                                        "a strict 0.000 -> 0.500, a flexible 0.200 -> 0.400")
+    learn_table.main(str(path), minutes=1)  # the validation before step 1 is within any budget
+    assert capsys.readouterr().out.splitlines()[-1].startswith("within 1 minutes of training: step 0 (0.0 min)")
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[1:]))  # no validation before step 1
+    learn_table.main(str(path), minutes=1)
+    assert capsys.readouterr().out.splitlines()[-1] == "no validation within 1 minutes of training"
+    path.write_text(json.dumps({"step": 1, "timing_s/step": 1.0}) + "\n")
+    with pytest.raises(SystemExit, match="holds no validation"):
+        learn_table.main(str(path))
+    path.write_text(json.dumps({"step": 1}) + "\n{oops\n")
+    with pytest.raises(SystemExit, match="line 2: not JSON"):
+        learn_table.main(str(path))
 
 
 def test_scaling_table_by_hand(tmp_path, capsys):
