@@ -12,11 +12,14 @@
 - `export_hf` writes a folder that `transformers` and vLLM load directly.
 - `PACKED_ATTENTION` is an attention implementation for packed sequences (`--use_remove_padding`):
   flash attention over variable-length segments on GPU, so no (L, L) mask is ever built.
+- `fused_log_probs` makes the output layer return the log-probs of given tokens, chunk by chunk,
+  so a training forward never holds the logits over the whole vocabulary (`--use_fused_kernels`).
 All ranks must call every function here (they are collectives); only rank 0 writes shared files.
 The checkpoint folder must be on a file system every rank sees (any single node; NFS or similar
 across nodes).
 """
 
+import contextlib
 import functools
 import json
 import os
@@ -194,6 +197,91 @@ def compile_layers(model: torch.nn.Module, with_grad: bool = False) -> torch.nn.
     for layer in decoder_layers(model):
         layer.forward = no_grad_compiled(layer.forward, with_grad)
     return model
+
+
+# --- the policy's output layer without whole logits (--use_fused_kernels) ------------------------
+
+
+class ChunkedLogProbs(torch.autograd.Function):
+    """log softmax(h W^T / T) at the target tokens, and that softmax's entropy, `chunk` rows at a time.
+
+    hidden (K, H), weight (V, H), targets (K,) -> log_probs (K,), entropy (K,), in fp32 (or the inputs'
+    dtype where that is wider). Forward keeps only each row's logsumexp and entropy; backward
+    computes each chunk's logits again. So the (K, V) logits, their fp32 copy and their gradient
+    never exist whole: at a 12k-token micro-batch and a 152k vocabulary those are ~7.5 GB each in
+    fp32. The gradient is worked out by hand, with
+    z = h W^T / T, p = softmax(z) and H = -sum_v p_v log p_v:
+        d log p_y / dz = onehot(y) - p        dH / dz = -p (log p + H)
+    and dz / dh = W / T, dz / dW = h / T. The cost is one more (K, H) x (H, V) matmul (the recompute).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk):
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        lse = torch.empty(hidden.shape[0], device=hidden.device, dtype=acc)  # (K,)
+        log_probs, entropy = torch.empty_like(lse), torch.empty_like(lse)
+        for a in range(0, hidden.shape[0], chunk):
+            rows = slice(a, a + chunk)
+            z = (hidden[rows] @ weight.T).to(acc) / temperature  # (c, V)
+            lse[rows] = torch.logsumexp(z, -1)
+            log_probs[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
+            entropy[rows] = lse[rows] - (torch.softmax(z, -1) * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.set_materialize_grads(False)  # an output no loss uses (the entropy metric) gets None
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=lse.dtype) if ctx.needs_input_grad[1] \
+            else None  # summed over chunks in fp32
+        for a in range(0, hidden.shape[0], ctx.chunk):
+            rows = slice(a, a + ctx.chunk)
+            log_p = (hidden[rows] @ weight.T).to(lse.dtype) / ctx.temperature - lse[rows, None]  # (c, V)
+            p = log_p.exp()
+            if grad_log_probs is not None:
+                g = grad_log_probs[rows, None].to(lse.dtype)
+                dz = (-p * g).scatter_add_(-1, targets[rows, None], g)
+            else:
+                dz = torch.zeros_like(p)
+            if grad_entropy is not None:
+                dz -= grad_entropy[rows, None].to(lse.dtype) * p * (log_p + entropy[rows, None])
+            dlogits = (dz / ctx.temperature).to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[rows] = dlogits @ weight
+            if grad_weight is not None:
+                grad_weight += (dlogits.T @ hidden[rows]).to(lse.dtype)
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
+
+
+@contextlib.contextmanager
+def fused_log_probs(model, select, targets, temperature, chunk_elements=2**28):
+    """While the block runs `model`'s forward, its output layer returns, instead of logits over the
+    vocabulary, the log-probs of `targets` (K,) at the positions `select` picks from the hidden
+    states it receives (-> (K, H)), through `ChunkedLogProbs` with chunks of `chunk_elements` logits
+    (1 GiB in fp32 by default). Yields a dict that then holds "log_probs" and "entropy" (K,).
+
+    The layer runs where the model calls it, inside its forward: under FSDP2 the root unit's
+    parameters are gathered there, and their gradients are reduced as usual. Only a bias-free linear
+    output layer whose logits the model returns as they are (no soft-capping) qualifies."""
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None or getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError(f"--use_fused_kernels: {type(model).__name__}'s output layer is not a bias-free linear "
+                         "layer whose logits the model returns unchanged; run without --use_fused_kernels")
+    out = {}
+
+    def forward(hidden):
+        out["log_probs"], out["entropy"] = ChunkedLogProbs.apply(
+            select(hidden), head.weight, targets, temperature, max(1, chunk_elements // head.weight.shape[0]))
+        return out["log_probs"]
+
+    head.forward = forward
+    try:
+        yield out
+    finally:
+        del head.forward  # the class's forward again
 
 
 def compute_device(model: torch.nn.Module) -> torch.device:

@@ -127,6 +127,10 @@ class Args:
         "(default: on GPU)"})
     compile_layers: bool | None = field(default=None, metadata={
         "help": "torch.compile each decoder layer, in the passes without gradients (default: on GPU)"})
+    use_fused_kernels: bool = field(default=False, metadata={
+        "help": "the update's log-probs and entropy from the output layer chunk by chunk, never the whole "
+        "(tokens, vocabulary) logits: less memory for one more matmul of the output layer (verl's flag; here "
+        "for the passes with a gradient only)"})
     compile_update: bool = field(default=False, metadata={
         "help": "compile the actor's and the critic's updates (forward and backward) too, where the two flags "
         "above compile: pays off with large micro-batches (--use_dynamic_bsz, --ppo_max_token_len_per_gpu 49152 on "
@@ -397,24 +401,32 @@ def response_targets(samples, T, device):
     return ids, mask.float()
 
 
-def forward_log_probs(model, samples, temperature, packed, with_entropy, entropy_grad=True):
+def forward_log_probs(model, samples, temperature, packed, with_entropy, entropy_grad=True, fused=False):
     """log pi(y_t | x, y_<t) of each response token, (b, T), and the entropy (b, T) if asked
     (without a gradient unless `entropy_grad`: as a metric only, it needs no backward through the
-    softmax over the vocabulary)."""
+    softmax over the vocabulary). `fused` (--use_fused_kernels), where a gradient is recorded: both
+    from the output layer chunk by chunk (sharding.fused_log_probs), never the whole (K, V) logits."""
     device = sharding.compute_device(model)  # not the parameters' under --param_offload
     batch = collate(samples, packed, device)
     rows, cols, b, T = batch.pop("unpack")
-    logits = model(**batch, use_cache=False).logits
-    # one row per response token, (K, V): packed logits already are; padded ones drop the last
-    # position (position t predicts token t+1) and the padding
-    logits = logits[0] if packed else logits[:, :-1][rows, cols]
     targets = torch.tensor([t for _, r in samples for t in r], device=device)
-    flat = LOGITS_MATH["log_probs"](logits, targets, temperature)
+    # one row per response token, (K, ...): packed rows already are; padded ones drop the last
+    # position (position t predicts token t+1) and the padding
+    select = (lambda x: x[0]) if packed else (lambda x: x[:, :-1][rows, cols])  # noqa: E731
+    if fused and torch.is_grad_enabled():
+        with sharding.fused_log_probs(model, select, targets, temperature) as head:
+            model(**batch, use_cache=False)
+        flat, flat_entropy = head["log_probs"], head["entropy"]
+        flat_entropy = flat_entropy if entropy_grad else flat_entropy.detach()
+    else:
+        logits = select(model(**batch, use_cache=False).logits)  # (K, V)
+        flat = LOGITS_MATH["log_probs"](logits, targets, temperature)
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                flat_entropy = LOGITS_MATH["entropy"](logits if entropy_grad else logits.detach(), temperature)
     log_probs = torch.zeros(b, T, device=device, dtype=flat.dtype).index_put((rows, cols), flat)
     entropy = None
     if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            flat_entropy = LOGITS_MATH["entropy"](logits if entropy_grad else logits.detach(), temperature)
         entropy = torch.zeros(b, T, device=device, dtype=flat_entropy.dtype).index_put((rows, cols), flat_entropy)
     return log_probs, entropy
 
@@ -1106,7 +1118,8 @@ def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advant
                 mb = [start + i for i in idx]
                 log_probs, entropy = forward_log_probs(actor, [samples[i] for i in mb], args.temperature,
                                                        args.use_remove_padding, with_entropy=True,
-                                                       entropy_grad=args.entropy_coeff != 0)
+                                                       entropy_grad=args.entropy_coeff != 0,
+                                                       fused=args.use_fused_kernels)
                 Tm = log_probs.shape[1]
                 mask, adv, old = response_mask[mb, :Tm], advantages[mb, :Tm], old_log_probs[mb, :Tm]
                 agg = dict(response_mask=mask, mode=args.loss_agg_mode, num_tokens=tokens, num_seqs=seqs,

@@ -24,7 +24,7 @@
 # MODEL (a Hugging Face folder), DATA (GSM8K parquet folder), PY (python), LIMIT (seconds per part),
 # RUNS (a folder that outlives one call, for checkpoints), LEARN_DIR (the learning run's folder, default
 # RUNS/learn), LEARN_ARGS (extra flags of the learning run; a flag given twice takes the last value),
-# VAL_ARGS (extra flags of the val part).
+# VAL_ARGS (extra flags of the val part), QWEN3_ARGS (of the qwen3 part, e.g. --use_fused_kernels).
 set -u
 OUT=${OUT:-bench_out}
 MODEL=${MODEL:-/tmp/models/qwen2.5-coder-0.5b-instruct}
@@ -35,6 +35,7 @@ RUNS=${RUNS:-/tmp/runs}
 LEARN_DIR=${LEARN_DIR:-$RUNS/learn}
 LEARN_ARGS=${LEARN_ARGS:-}
 VAL_ARGS=${VAL_ARGS:-}
+QWEN3_ARGS=${QWEN3_ARGS:-}
 NPROC=${NPROC:-2}
 mkdir -p "$OUT"
 # micro-batches by token budget: few, large forwards (the sequences are packed, attention is varlen)
@@ -80,7 +81,7 @@ for part in "${parts[@]}"; do
                  $data $fast --total_training_steps 1 --val_before_train false --test_freq -1 --export_final false \
                  --resume_mode disable --train_batch_size 1024 --rollout_n 3 --ppo_mini_batch_size 80 \
                  --max_response_length 1024 --enable_gradient_checkpointing --ref_param_offload \
-                 --default_local_dir $OUT/qwen3 && $PY bench/phase_table.py $OUT/qwen3/metrics.jsonl $plain" ;;
+                 --default_local_dir $OUT/qwen3 $QWEN3_ARGS && $PY bench/phase_table.py $OUT/qwen3/metrics.jsonl $plain" ;;
     # the tutorial's shape at 1 and NPROC GPUs (per-GPU batch shrinks: strong scaling of one step),
     # rollout TP 1 and 2; then PPO on NPROC GPUs. Each run starts afresh in RUNS/scale_*; its
     # metrics.jsonl is copied to OUT/scale_*.jsonl

@@ -28,6 +28,7 @@ from train_grpo import (
     forward_log_probs,
     kl_penalty,
     lr_lambda,
+    token_log_probs,
 )
 from tests.tiny_model import LENGTHS, GradRecorder, make_samples, tiny_config
 
@@ -426,6 +427,109 @@ def test_compile_update_compiles_the_backward_and_keeps_the_gradient(model, monk
         close(a, e, atol=1e-5, rtol=1e-4)
 
 
+def test_chunked_log_probs_by_hand():
+    """One token, V = 2, H = 1: W = [[1], [0]], h = ln 3, T = 1, so z = [ln 3, 0], p = [3/4, 1/4].
+    log p_0 = ln(3/4) = -0.287682; H = -(3/4 ln 3/4 + 1/4 ln 1/4) = 0.562335.
+    d log p_0 / dz = onehot - p = [1/4, -1/4]: d/dh = z-gradient . W[:, 0] = 1/4; d/dW = [[ln3 / 4], [-ln3 / 4]].
+    dH / dz = -p (log p + H) = [-0.75 (-0.287682 + 0.562335), -0.25 (-1.386294 + 0.562335)]
+            = [-0.205990, 0.205990]: d/dh = -0.205990; d/dW = [[-0.205990 ln 3], [0.205990 ln 3]]."""
+    h = torch.tensor([[math.log(3)]], dtype=torch.float64, requires_grad=True)
+    w = torch.tensor([[1.0], [0.0]], dtype=torch.float64, requires_grad=True)
+    log_probs, entropy = sharding.ChunkedLogProbs.apply(h, w, torch.tensor([0]), 1.0, 1)
+    close(log_probs, [-0.287682], atol=1e-6)
+    close(entropy, [0.562335], atol=1e-6)
+    log_probs.sum().backward()
+    close(h.grad, [[0.25]], atol=1e-6)
+    close(w.grad, [[math.log(3) / 4], [-math.log(3) / 4]], atol=1e-6)
+    h.grad, w.grad = None, None
+    _, entropy = sharding.ChunkedLogProbs.apply(h, w, torch.tensor([0]), 1.0, 1)
+    entropy.sum().backward()
+    close(h.grad, [[-0.205990]], atol=1e-6)
+    close(w.grad, [[-0.205990 * math.log(3)], [0.205990 * math.log(3)]], atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 100])
+def test_chunked_log_probs_equal_autograd_through_whole_logits(chunk):
+    """Any chunking: the log-probs, entropy and both gradients of a loss that weighs them (the update's
+    log-probs with a KL-like nonlinearity, an entropy bonus) equal autograd through the whole logits."""
+    g = torch.Generator().manual_seed(0)
+    K, H, V, temperature = 7, 5, 11, 0.7
+    hidden = torch.randn(K, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, V, (K,), generator=g)
+    coef = torch.randn(K, generator=g, dtype=torch.float64)
+
+    def run(fn):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        log_probs, entropy = fn(h, w)
+        ((coef * log_probs.exp()).sum() + 0.3 * (coef * entropy).sum()).backward()
+        return log_probs, entropy, h.grad, w.grad
+
+    expected = run(lambda h, w: (torch.log_softmax(h @ w.T / temperature, -1).gather(-1, targets[:, None])[:, 0],
+                                 entropy_from_logits(h @ w.T / temperature)))  # in float64 throughout
+    actual = run(lambda h, w: sharding.ChunkedLogProbs.apply(h, w, targets, temperature, chunk))
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
+
+
+def test_chunked_log_probs_keep_no_logits_for_the_backward():
+    """What the backward keeps: through the whole logits, at least their (K, V) fp32 copy; chunked,
+    the inputs and three floats per token, however large V."""
+    K, H, V = 64, 16, 4096
+    hidden, weight = torch.randn(K, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
+    targets = torch.randint(0, V, (K,))
+
+    def saved_bytes(fn):
+        seen = {}
+
+        def pack(t):
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return sum(seen.values())
+    whole = saved_bytes(lambda: token_log_probs(hidden @ weight.T, targets, 1.0))
+    chunked = saved_bytes(lambda: sharding.ChunkedLogProbs.apply(hidden, weight, targets, 1.0, 8))
+    inputs = (K * H + V * H) * 4 + K * 8
+    assert whole >= K * V * 4
+    assert chunked <= inputs + 2 * K * 4
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_fused_log_probs_equal_the_logits_path(model, packed):
+    """forward_log_probs(fused=True), as the update runs it (--use_fused_kernels): the same log-probs,
+    entropy and parameter gradients as through the model's logits; without a gradient it is the
+    logits path; the output layer is the model's own again afterwards."""
+    samples = make_samples(LENGTHS)
+
+    def grads(fused, entropy_grad):
+        log_probs, entropy = forward_log_probs(model, samples, 0.7, packed, True, entropy_grad, fused=fused)
+        (log_probs.sum() + (entropy.sum() if entropy_grad else 0)).backward()
+        out = [log_probs.detach(), entropy.detach()] + [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        return out
+    for entropy_grad in (True, False):
+        for a, e in zip(grads(True, entropy_grad), grads(False, entropy_grad)):
+            close(a, e, atol=1e-5)
+    with torch.no_grad():
+        a = forward_log_probs(model, samples, 0.7, packed, True, fused=True)
+        e = forward_log_probs(model, samples, 0.7, packed, True)
+    assert all(torch.equal(x, y) for x, y in zip(a, e))
+    assert "forward" not in model.get_output_embeddings().__dict__
+    logits = model(input_ids=torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape[-1] == model.config.vocab_size
+
+
+def test_fused_log_probs_refuse_an_output_layer_they_would_get_wrong(model):
+    """A bias or soft-capped logits would be silently dropped: refused, naming the flag."""
+    import copy
+
+    m = copy.deepcopy(model)
+    m.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="--use_fused_kernels"):
+        forward_log_probs(m, make_samples(LENGTHS), 1.0, True, True, fused=True)
+
+
 REFERENCE_SHARES_GRAPHS = """
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, os.getcwd())
@@ -455,6 +559,51 @@ def test_the_reference_reuses_the_actors_compiled_layers(tmp_path):
     proc = subprocess.run([sys.executable, "-c", REFERENCE_SHARES_GRAPHS, str(tmp_path / "model")], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+FUSED_UNDER_FSDP2 = """
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, os.getcwd())
+import train_grpo
+from tests.tiny_model import make_samples, make_tiny_model
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for tie in (True, False):
+    path = os.path.join(sys.argv[1], f"tie_{tie}")
+    if rank == 0:
+        make_tiny_model(path, tie=tie)
+    dist.barrier()
+    actor = train_grpo.load_policy(path, torch.device("cpu"), True, False, train_grpo.Args(model=path))
+    samples = make_samples([(5, 3), (9, 6)] if rank == 0 else [(3, 1), (7, 4), (2, 5)], seed=rank)
+    grads = []
+    for fused in (False, True):
+        log_probs, entropy = train_grpo.forward_log_probs(actor, samples, 0.7, True, True, fused=fused)
+        (log_probs.sum() + 0.1 * entropy.sum()).backward()
+        grads.append({n: p.grad.full_tensor() for n, p in actor.named_parameters()})
+        actor.zero_grad(set_to_none=True)
+    assert grads[0].keys() == grads[1].keys() and any("embed" in n for n in grads[0])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-5, rtol=1e-5, msg=n)
+        assert grads[0][n].abs().sum() > 0, n
+print("OK", rank)
+"""
+
+
+def test_fused_log_probs_under_fsdp2_on_two_ranks(tmp_path):
+    """--use_fused_kernels under FSDP2 with two gloo ranks, tied and untied output layers: the output
+    layer runs inside the root unit's forward, so its gathered weight is the one used and its gradient
+    is reduced as the logits path's is. The full gradients of every parameter agree."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    script = tmp_path / "fused_fsdp2.py"
+    script.write_text(FUSED_UNDER_FSDP2)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", port,
+                           str(script), str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "OK 0" in proc.stdout and "OK 1" in proc.stdout, \
+        proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 def test_micro_batches_by_count_and_by_token_budget():
@@ -562,6 +711,40 @@ def test_update_actor_gradient_does_not_depend_on_micro_batch_size(model, monkey
         # abs: ppo_kl sums log-ratios of both signs, so its float noise is large relative to the sum
         assert metrics1[k] == pytest.approx(metrics2[k], rel=1e-5, abs=1e-6), k
     assert metrics1["actor/grad_norm"] > 0 and metrics1["actor/kl_loss"] > 0
+
+
+def test_update_actor_with_fused_kernels_takes_the_same_steps(model, monkeypatch):
+    """--use_fused_kernels reaches the update: every micro-batch's forward runs through
+    sharding.fused_log_probs, and the optimizer steps and metrics equal those without it (with an
+    entropy bonus, so the entropy's gradient is taken through the chunks too)."""
+    monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
+    samples = make_samples(LENGTHS, seed=3)
+    with torch.no_grad():
+        log_probs, _ = forward_log_probs(model, samples, 1.0, True, with_entropy=False)
+    mask = train_grpo.response_targets(samples, 6, "cpu")[1]
+    g = torch.Generator().manual_seed(4)
+    old_log_probs = (log_probs + 0.4 * (torch.rand(4, 6, generator=g) - 0.5)) * mask
+    ref_log_probs = (log_probs + 0.3 * torch.randn(4, 6, generator=g)) * mask
+    advantages = compute_grpo_outcome_advantage(torch.tensor([1.0, 0.0, 0.2, 0.7]), mask, n=2)
+    calls = []
+    real = sharding.fused_log_probs
+    monkeypatch.setattr(sharding, "fused_log_probs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    results = {}
+    for fused in (False, True):
+        args = Args(rollout_n=2, train_batch_size=2, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1,
+                    kl_loss_coef=0.1, entropy_coeff=0.01, grad_clip=1e9, use_fused_kernels=fused)
+        recorder = GradRecorder(model)
+        model.zero_grad(set_to_none=True)
+        metrics = train_grpo.update_actor(model, recorder, samples, old_log_probs, ref_log_probs, advantages, mask,
+                                          args, step=1, device=torch.device("cpu"))
+        results[fused] = recorder.steps, metrics
+    assert len(calls) == 4  # 4 micro-batches of one sequence, all with the fused head; none without the flag
+    (steps, metrics), (fused_steps, fused_metrics) = results[False], results[True]
+    for a, b in zip(steps, fused_steps):
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-5, msg=name)
+    for k in metrics:
+        assert fused_metrics[k] == pytest.approx(metrics[k], rel=1e-5, abs=1e-6), k
 
 
 def test_a_non_finite_gradient_stops_before_the_update():

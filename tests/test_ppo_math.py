@@ -304,3 +304,41 @@ def test_update_critic_gradient_does_not_depend_on_micro_batch_size(critic, monk
     for k in metrics1:
         assert metrics1[k] == pytest.approx(metrics2[k], rel=1e-5, abs=1e-6), k
     assert metrics1["critic/grad_norm"] > 0 and metrics1["critic/vf_clipfrac"] > 0
+
+
+def test_update_actor_with_fused_kernels_takes_the_same_steps(monkeypatch):
+    """--use_fused_kernels reaches the actor's update: every micro-batch's forward runs through
+    sharding.fused_log_probs, and the optimizer steps and metrics equal those without it."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(train_ppo.dist, "get_world_size", lambda: 1)
+    torch.manual_seed(0)
+    actor = AutoModelForCausalLM.from_config(tiny_config(tie=False), dtype=torch.float32,
+                                             attn_implementation=sharding.PACKED_ATTENTION)
+    samples = make_samples(LENGTHS, seed=3)
+    with torch.no_grad():
+        log_probs, _ = train_ppo.forward_log_probs(actor, samples, 1.0, True, with_entropy=False)
+    mask = train_ppo.response_targets(samples, 6, "cpu")[1]
+    g = torch.Generator().manual_seed(4)
+    old_log_probs = (log_probs + 0.4 * (torch.rand(4, 6, generator=g) - 0.5)) * mask
+    advantages = torch.randn(4, 6, generator=g) * mask
+    calls = []
+    real = sharding.fused_log_probs
+    monkeypatch.setattr(sharding, "fused_log_probs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    results = {}
+    for fused in (False, True):
+        args = Args(rollout_n=1, train_batch_size=4, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=1,
+                    entropy_coeff=0.01, grad_clip=1e9, use_fused_kernels=fused)
+        recorder = GradRecorder(actor)
+        actor.zero_grad(set_to_none=True)
+        metrics = train_ppo.update_actor(actor, recorder, samples, old_log_probs, None, advantages, mask, args,
+                                         step=1, device=torch.device("cpu"))
+        results[fused] = recorder.steps, metrics
+    assert len(calls) == 4  # 4 micro-batches of one sequence, all with the fused head; none without the flag
+    (steps, metrics), (fused_steps, fused_metrics) = results[False], results[True]
+    assert len(steps) == len(fused_steps) == 2
+    for a, b in zip(steps, fused_steps):
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-5, msg=name)
+    for k in metrics:
+        assert fused_metrics[k] == pytest.approx(metrics[k], rel=1e-5, abs=1e-6), k

@@ -172,6 +172,20 @@ def test_resume_replays_the_uninterrupted_run(assets, vllm_run):
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
 
 
+def test_fused_kernels_train_the_same_step(assets, vllm_run):
+    """--use_fused_kernels changes how the update computes its log-probs (chunks of the output layer,
+    no whole logits), not what it computes: the first step, on the same rollouts, logs the losses,
+    KL, entropy and gradient norm of the run without it."""
+    out = assets["tmp"] / "run_vllm_fused"
+    proc = launch(flags(assets, out, "vllm", 1, "disable", "--use_fused_kernels", "true"))
+    assert proc.returncode == 0, proc.output[-6000:]
+    fused, whole = metrics_by_step(out)[1], metrics_by_step(vllm_run)[1]
+    keys = [k for k in whole if k.startswith(("actor/", "critic/"))]
+    assert {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"} <= set(keys)
+    differ = {k: (whole[k], fused[k]) for k in keys if fused[k] != pytest.approx(whole[k], rel=1e-5, abs=1e-9)}
+    assert not differ, differ
+
+
 def test_resuming_a_finished_run_does_nothing(assets, hf_run):
     before = (hf_run / "metrics.jsonl").read_text()
     checkpoints = sorted(os.listdir(hf_run))

@@ -158,6 +158,18 @@ def test_critic_warmup_updates_only_the_critic_first(assets):
             assert not torch.equal(actor2[name], w), name  # step 2: the actor trains
 
 
+def test_fused_kernels_train_the_same_step(assets, hf_run):
+    """--use_fused_kernels changes how the actor's update computes its log-probs, not what it computes:
+    the first step, on the same rollouts, logs the actor's and the critic's metrics of the run without it."""
+    out = assets["tmp"] / "ppo_hf_fused"
+    run_ppo(flags(assets, out, "hf", 1, "disable", *TOKEN_BUDGET, "--use_fused_kernels", "true"))
+    fused, whole = metrics_by_step(out)[1], metrics_by_step(hf_run)[1]
+    keys = [k for k in whole if k.startswith(("actor/", "critic/"))]
+    assert {"actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss"} <= set(keys)
+    differ = {k: (whole[k], fused[k]) for k in keys if fused[k] != pytest.approx(whole[k], rel=1e-5, abs=1e-9)}
+    assert not differ, differ
+
+
 def test_resume_replays_the_uninterrupted_run(assets, hf_run):
     out = assets["tmp"] / "ppo_hf_resumed"
     run_ppo(flags(assets, out, "hf", 1, "disable", *TOKEN_BUDGET))
