@@ -225,7 +225,8 @@ class ChunkedLogProbs(torch.autograd.Function):
             z = (hidden[rows] @ weight.T).to(acc) / temperature  # (c, V)
             lse[rows] = torch.logsumexp(z, -1)
             log_probs[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
-            entropy[rows] = lse[rows] - (torch.softmax(z, -1) * z).sum(-1)
+            # H = lse - sum_v p_v z_v; in place, so a chunk costs two (c, V) tensors at a time
+            entropy[rows] = lse[rows] - (z - lse[rows, None]).exp_().mul_(z).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.set_materialize_grads(False)  # an output no loss uses (the entropy metric) gets None
@@ -241,14 +242,14 @@ class ChunkedLogProbs(torch.autograd.Function):
             rows = slice(a, a + ctx.chunk)
             log_p = (hidden[rows] @ weight.T).to(lse.dtype) / ctx.temperature - lse[rows, None]  # (c, V)
             p = log_p.exp()
+            # dz = g_lp (onehot - p) - g_H p (log p + H), built in place in log_p and p
+            dz = log_p.add_(entropy[rows, None]).mul_(p).mul_(-grad_entropy[rows, None].to(lse.dtype)) \
+                if grad_entropy is not None else log_p.zero_()
             if grad_log_probs is not None:
                 g = grad_log_probs[rows, None].to(lse.dtype)
-                dz = (-p * g).scatter_add_(-1, targets[rows, None], g)
-            else:
-                dz = torch.zeros_like(p)
-            if grad_entropy is not None:
-                dz -= grad_entropy[rows, None].to(lse.dtype) * p * (log_p + entropy[rows, None])
-            dlogits = (dz / ctx.temperature).to(hidden.dtype)
+                dz.sub_(p.mul_(g)).scatter_add_(-1, targets[rows, None], g)
+            del p
+            dlogits = dz.div_(ctx.temperature).to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[rows] = dlogits @ weight
             if grad_weight is not None:

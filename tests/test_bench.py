@@ -140,3 +140,18 @@ def test_random_model_has_the_shape_and_the_tokenizer(tmp_path, monkeypatch):
     assert config.model_type == "qwen3" and config.num_key_value_heads == 2 and config.head_dim == 16
     assert AutoTokenizer.from_pretrained(out).chat_template == AutoTokenizer.from_pretrained(tok_dir).chat_template
     assert not os.path.exists(out + ".tmp")
+
+
+def test_fused_head_bench_runs_both_ways_and_agrees(tmp_path):
+    """bench/fused_head.py at a small shape: a row per way with its peak, and the fused gradients
+    equal the logits path's."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "bench/fused_head.py", "--tokens", "64", "--hidden", "16", "--vocab", "512"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("64 ")]
+    assert [r[1] for r in rows] == ["logits", "fused"], proc.stdout
+    assert all(float(r[2]) > 0 for r in rows)  # peak GB
+    assert float(rows[1][-1]) < 1e-5, proc.stdout  # max |grad diff|, float32
