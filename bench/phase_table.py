@@ -5,6 +5,9 @@
 Speed of light of a step: its generated tokens at standalone vLLM's rate (`--plain_tok_s`, measured by
 bench/bench_engine.py; without it, our engine's own rate) plus the FLOPs of its log-prob and update
 phases at 40% of the measured bf16 matmul peak. The median is over steps after the first (warm-up).
+Then each phase's peak GPU memory (`perf/max_memory_allocated_gb/<phase>`), its median over the same
+steps: the trainer's own in the phases that run while the engine sleeps, the engine's memory included
+in those where it is awake (gen, update_weights).
 """
 
 import argparse
@@ -46,6 +49,10 @@ def main(path, plain_tok_s=None):
         source = f"plain vLLM at {plain_tok_s:.0f} tok/s" if plain_tok_s else "our engine's rate"
         print(f"median step {step:.1f} s; speed of light {sol:.1f} s (generation at {source} + training FLOPs "
               f"at 40% of {steady[0]['perf/peak_tflops']:.0f} TFLOP/s): {step / sol:.2f}x (target <= 1.5x)")
+    peaks = {p: statistics.median(r[f"perf/max_memory_allocated_gb/{p}"] for r in steady)
+             for p in PHASES if all(f"perf/max_memory_allocated_gb/{p}" in r for r in steady)}
+    if steady and peaks:
+        print("median peak GiB per phase: " + ", ".join(f"{p} {v:.1f}" for p, v in peaks.items()))
 
 
 if __name__ == "__main__":

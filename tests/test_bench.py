@@ -28,14 +28,19 @@ def test_speed_of_light_by_hand():
 
 def test_table_and_summary(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
-    rows = [{"step": 0, "val-core/x/reward/mean@1": 0.1}, ROW | {"timing_s/since_launch": 95.4},
-            ROW | {"step": 2, "timing_s/step": 15.0}]
+    peaks = lambda gen, update: {"perf/max_memory_allocated_gb/gen": gen,  # noqa: E731
+                                 "perf/max_memory_allocated_gb/update_actor": update}
+    rows = [{"step": 0, "val-core/x/reward/mean@1": 0.1}, ROW | {"timing_s/since_launch": 95.4} | peaks(90.0, 80.0),
+            ROW | {"step": 2, "timing_s/step": 15.0} | peaks(91.0, 40.0),
+            ROW | {"step": 3, "timing_s/step": 15.0} | peaks(93.0, 42.0)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     phase_table.main(str(path), 2000.0)
     out = capsys.readouterr().out
     assert "MFU actor" in out and "MFU ref" not in out  # only phases that ran
-    # the median over steps after the first: step 2 alone, 15 s against 6.25 s
+    # the median over steps after the first: 15 s against 6.25 s
     assert "median step 15.0 s; speed of light 6.2 s" in out and "2.40x" in out
+    # per phase, the median over steps 2-3 (step 1 compiles): gen (91 + 93) / 2, update (40 + 42) / 2
+    assert "median peak GiB per phase: gen 92.0, update_actor 41.0" in out
     assert "step 1 ended 95 s after launch (17 s of it in the step)" in out
 
 
