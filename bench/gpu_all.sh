@@ -13,7 +13,7 @@
 #                                   # and the results table (bench/learn_table.py)
 #   bash bench/gpu_all.sh val       # --val_only of the base model: strict/flexible greedy mean@1, pass@5
 #                                   # (VAL_ARGS="--val_n 16": pass@16, the room GRPO has to sharpen into)
-#   bash bench/gpu_all.sh profile   # log-prob and update passes, eager and compiled: TFLOP/s, host vs device, kernels,
+#   bash bench/gpu_all.sh profile   # log-prob and update passes, eager, compiled and fused: TFLOP/s, host vs device, kernels,
 #                                   # where compiling took its time and why it recompiled
 #   bash bench/gpu_all.sh qwen3     # 1 GRPO step of the Qwen3-1.7B tutorial shape on a random-init Qwen3-1.7B
 #   NPROC=2 bash bench/gpu_all.sh scale  # 3 GRPO steps on 1 and NPROC GPUs (TP 1, TP 2), 3 PPO steps on NPROC,
@@ -103,7 +103,8 @@ for part in "${parts[@]}"; do
         done
         cmd="$PY bench/scaling_table.py $runs" ;;
     profile) cmd="TORCH_LOGS=recompiles $PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT \
-                  --modes eager all train --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 --repeats 2" ;;
+                  --modes eager all train fused --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 \
+                  --repeats 2" ;;
     *) echo "unknown part $part (test, engine, sync, grpo, grpo_compiled, ppo, learn, val, profile, qwen3, scale,"\
             "scale_1, scale_1_warm, scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
   esac

@@ -12,7 +12,8 @@ each as TFLOP/s and MFU with the trainer's own FLOP count (train_grpo.phase_perf
 `all` (that and --compile_layers). Both compile only what runs without gradients (the trainer's
 choice, see sharding.no_grad_compiled): the update pass differs between modes only in its entropy
 metric. `train` compiles as `all` does and the update's forward and backward too
-(--compile_update). A budget that runs out of memory prints as such.
+(--compile_update); `fused` compiles as `all` does and computes the update's log-probs from the output
+layer chunk by chunk (--use_fused_kernels). A budget that runs out of memory prints as such.
 Per mode, one update micro-batch at the largest budget that fitted runs under the profiler: device
 time against host time says whether the GPU waits on Python. For the last mode, the operators that
 take the most device time in each pass are printed (and written to --out as profile_*.txt). On CPU
@@ -20,6 +21,7 @@ it runs the same code on whatever --model is, for a smoke test.
 """
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -56,13 +58,13 @@ def log_prob_pass(model, samples, budget, device):
     return time.perf_counter() - t
 
 
-def update_pass(model, samples, budget, device):
+def update_pass(model, samples, budget, device, fused=False):
     """Forward + backward of a token-mean loss on every micro-batch (gradients accumulate)."""
     sync(device)
     t = time.perf_counter()
     for idx in train_grpo.micro_batches(samples, 8, budget):
         log_probs, entropy = train_grpo.forward_log_probs(model, [samples[i] for i in idx], 1.0, True,
-                                                          with_entropy=True, entropy_grad=False)
+                                                          with_entropy=True, entropy_grad=False, fused=fused)
         (-log_probs.sum() / 1e6).backward()
     sync(device)
     dt = time.perf_counter() - t
@@ -103,7 +105,7 @@ def load(a, mode, device):
     if mode != "eager":
         train_grpo.compile_logits_math(with_grad=mode == "train")
     args = train_grpo.Args(model=a.model, enable_gradient_checkpointing=a.gradient_checkpointing,
-                           compile_layers=mode in ("all", "train"), compile_update=mode == "train")
+                           compile_layers=mode in ("all", "train", "fused"), compile_update=mode == "train")
     return train_grpo.load_policy(a.model, device, True, False, args)
 
 
@@ -155,13 +157,15 @@ def main(a):
             return True
         lp_fit = [b for b in a.log_prob_tokens
                   if measure("log_prob", log_prob_pass, samples, b, "old_log_prob", "old_log_prob")]
-        up_fit = [b for b in a.update_tokens if measure("update", update_pass, mini, b, "update_actor", "actor")]
+        update = functools.partial(update_pass, fused=mode == "fused")
+        up_fit = [b for b in a.update_tokens if measure("update", update, mini, b, "update_actor", "actor")]
         if not up_fit:
             continue
         up_idx = train_grpo.micro_batches(mini, 8, max(up_fit))[0]
 
         def one_update():
-            log_probs, _ = train_grpo.forward_log_probs(model, [mini[i] for i in up_idx], 1.0, True, False)
+            log_probs, _ = train_grpo.forward_log_probs(model, [mini[i] for i in up_idx], 1.0, True, False,
+                                                        fused=mode == "fused")
             (-log_probs.sum() / 1e6).backward()
         update_profile = profiled(one_update, device)
         model.zero_grad(set_to_none=True)
@@ -206,7 +210,7 @@ if __name__ == "__main__":
     p.add_argument("--max_response_length", type=int, default=512)
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--modes", nargs="+", default=["eager", "logits", "all"],
-                   choices=["eager", "logits", "all", "train"])
+                   choices=["eager", "logits", "all", "train", "fused"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=os.environ.get("OUT"))
     main(p.parse_args())

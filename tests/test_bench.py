@@ -113,17 +113,19 @@ def test_profile_step_runs_on_a_tiny_model(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
                            "--master_port", "29713", "bench/profile_step.py", "--model", model, "--sequences", "8",
                            "--mini_batch", "4", "--max_response_length", "32", "--log_prob_tokens", "512",
-                           "--update_tokens", "256", "--repeats", "1", "--modes", "eager", "train", "--out",
+                           "--update_tokens", "256", "--repeats", "1", "--modes", "eager", "train", "fused", "--out",
                            str(tmp_path / "out")],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [line.split()[:2] for line in proc.stdout.splitlines() if line.startswith(("eager", "train"))]
-    assert rows == [["eager", "log_prob"], ["eager", "update"], ["train", "log_prob"], ["train", "update"]], proc.stdout
+    rows = [line.split()[:2] for line in proc.stdout.splitlines() if line.startswith(("eager", "train", "fused"))]
+    assert rows == [["eager", "log_prob"], ["eager", "update"], ["train", "log_prob"], ["train", "update"],
+                    ["fused", "log_prob"], ["fused", "update"]], proc.stdout
     assert "top operators" in proc.stdout
-    for mode in ("eager", "train"):
+    for mode in ("eager", "train", "fused"):
         assert f"# {mode}: one update micro-batch of " in proc.stdout, proc.stdout
-    diff = [line for line in proc.stdout.splitlines() if line.startswith("# train: |log-prob")]
-    assert len(diff) == 1 and float(diff[0].split()[-3].rstrip(",")) < 1e-4, proc.stdout
+    for mode in ("train", "fused"):
+        diff = [line for line in proc.stdout.splitlines() if line.startswith(f"# {mode}: |log-prob")]
+        assert len(diff) == 1 and float(diff[0].split()[-3].rstrip(",")) < 1e-4, proc.stdout
     for name in ("profile_log_prob.txt", "profile_update.txt"):
         assert "aten::" in (tmp_path / "out" / name).read_text()
     # the compile summary: the train mode compiled graphs, and reports where the time went
