@@ -8,7 +8,8 @@
 - `save_checkpoint` / `load_checkpoint` use torch.distributed.checkpoint (sharded, loadable at
   another world size), written to a temporary folder and renamed, so a crash mid-save leaves the
   last good checkpoint as it was. Folders follow verl's layout: `global_step_{N}` plus the tracker
-  file `latest_checkpointed_iteration.txt`.
+  file `latest_checkpointed_iteration.txt`. `StopRequest` turns a SIGTERM into a checkpoint of the
+  step in progress and a clean stop.
 - `export_hf` writes a folder that `transformers` and vLLM load directly.
 - `PACKED_ATTENTION` is an attention implementation for packed sequences (`--use_remove_padding`):
   flash attention over variable-length segments on GPU, so no (L, L) mask is ever built.
@@ -26,6 +27,8 @@ import os
 import random
 import re
 import shutil
+import signal
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -352,6 +355,31 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device 
 
 
 # --------------------------------------------------------------------------- checkpoints
+
+
+class StopRequest:
+    """SIGTERM, the notice a batch scheduler or `timeout` gives before it kills a job, noted instead of
+    obeyed: the train loop asks `agreed` at the end of each step, and when any rank was signalled all of
+    them checkpoint that step and stop, so `--resume_mode auto` continues where the run stopped rather
+    than from the last `--save_freq` checkpoint. A step that outlasts the grace period is lost as
+    before: torchrun passes the signal on to its workers and kills them 30 s later (`--shutdown-timeout`).
+    Every later SIGTERM is noted the same way (`timeout` signals the workers and torchrun, which signals
+    them again); Ctrl-C (SIGINT) still stops at once."""
+
+    def __init__(self):
+        self.signalled = False
+        if threading.current_thread() is threading.main_thread():  # where Python runs signal handlers
+            signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, signum, frame):
+        self.signalled = True
+
+    def agreed(self, device) -> bool:
+        """Whether any rank has been signalled (a collective: every rank calls it at the same point)."""
+        flag = torch.tensor([float(self.signalled)], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
 
 def _rng_state() -> dict:

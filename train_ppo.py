@@ -937,6 +937,7 @@ def main(args):
         batch_idx += 1
         return [train[i] for i in order[batch_idx - 1]]
 
+    stop, stopping = sharding.StopRequest(), False  # a SIGTERM checkpoints the step in progress and stops
     bar = tqdm(total=total_steps, initial=step, disable=rank != 0, desc="steps")
     while step < total_steps:
         step += 1
@@ -1065,17 +1066,25 @@ def main(args):
         for key in {k for g in groups for k in g["extras"]}:
             metrics[f"critic/score/{key}/mean"] = float(np.mean([x for g in groups for x in g["extras"].get(key, [])]))
         last_step = step == total_steps
-        if val is not None and args.test_freq > 0 and (step % args.test_freq == 0 or last_step):
+        stopping = not last_step and stop.agreed(device)  # checkpointed at once, not validated
+        if val is not None and args.test_freq > 0 and (step % args.test_freq == 0 or last_step) and not stopping:
             with Timer(metrics, device)("testing"):
                 metrics |= validate(engine, val, args, tokenizer, reward_fn)
-        if (args.save_freq > 0 and step % args.save_freq == 0) or last_step:
+        if (args.save_freq > 0 and step % args.save_freq == 0) or last_step or stopping:
             with Timer(metrics, device)("save_checkpoint"):
                 sharding.save_checkpoint(args.default_local_dir, step, models, optimizers, schedulers,
                                          {"epoch": epoch, "batch_idx": batch_idx, "kl_coef": kl_ctrl.value},
                                          keep_last=args.keep_last_checkpoints)
         logger.log(metrics, step)
         bar.update(1)
+        if stopping:
+            break
     bar.close()
+    if stopping:
+        if rank == 0:
+            print(f"stopped by SIGTERM after step {step} of {total_steps}, checkpointed in {args.default_local_dir}; "
+                  "the same command with --resume_mode auto continues from there", flush=True)
+        return metrics
     if args.export_final:
         path = sharding.export_hf(os.path.join(args.default_local_dir, "hf_model"), actor, tokenizer)
         if rank == 0:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import sharding
 from tests.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,6 +185,57 @@ def test_fused_kernels_train_the_same_step(assets, vllm_run):
     assert {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"} <= set(keys)
     differ = {k: (whole[k], fused[k]) for k in keys if fused[k] != pytest.approx(whole[k], rel=1e-5, abs=1e-9)}
     assert not differ, differ
+
+
+def stop_by_sigterm_then_resume(script, out, make_flags):
+    """Run `script` on two ranks for 20 steps (`make_flags(steps, resume)`: checkpoints every 10 steps,
+    validation every step) and send SIGTERM to the whole job once step 1 is logged, as `timeout` or a
+    batch scheduler does. Check that the step in progress was checkpointed and the run stopped without
+    validating it or exporting; then resume for one more step. Returns the step it stopped after."""
+    import signal
+    import time
+
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    log = out.parent / f"{out.name}.log"
+    with open(log, "w") as f:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", env["MASTER_PORT"],
+               script, *make_flags(20, "disable")]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.time() + 240
+            while not ((out / "metrics.jsonl").exists() and '"step": 1,' in (out / "metrics.jsonl").read_text()):
+                assert proc.poll() is None and time.time() < deadline, log.read_text()[-6000:]
+                time.sleep(0.2)
+            os.killpg(proc.pid, signal.SIGTERM)  # torchrun and both workers, as `timeout` does
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    output = log.read_text()
+    stopped = [line for line in output.splitlines() if "stopped by SIGTERM after step" in line]
+    assert len(stopped) == 1, output[-6000:]
+    k = int(stopped[0].split("after step ")[1].split()[0])
+    assert 1 <= k < 20 and "--resume_mode auto" in stopped[0]
+    assert os.path.basename(sharding.latest_checkpoint(str(out))) == f"global_step_{k}"
+    steps = sorted(metrics_by_step(out))
+    logged = metrics_by_step(out)
+    assert steps[-1] == k and "timing_s/testing" in logged[k - 1] and "timing_s/testing" not in logged[k]
+    assert not (out / "hf_model").exists()
+    env["MASTER_PORT"] = str(free_port())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", env["MASTER_PORT"],
+           script, *make_flags(k + 1, "auto")]
+    resumed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-6000:]
+    assert f"resumed from {out / f'global_step_{k}'}" in resumed.stdout
+    assert sorted(metrics_by_step(out))[-1] == k + 1 and (out / "hf_model").exists()
+    return k
+
+
+def test_sigterm_checkpoints_the_step_in_progress_and_resume_continues(assets):
+    """SIGTERM during a run that checkpoints every 10 steps loses no step (stop_by_sigterm_then_resume)."""
+    out = assets["tmp"] / "run_sigterm"
+    stop_by_sigterm_then_resume("train_grpo.py", out, lambda steps, resume: flags(
+        assets, out, "hf", steps, resume, "--save_freq", "10", "--test_freq", "1"))
 
 
 def test_resuming_a_finished_run_does_nothing(assets, hf_run):

@@ -170,6 +170,13 @@ def test_fused_kernels_train_the_same_step(assets, hf_run):
     assert not differ, differ
 
 
+def test_sigterm_checkpoints_the_step_in_progress_and_resume_continues(assets):
+    """SIGTERM during a run that checkpoints every 10 steps loses no step (the GRPO test's procedure)."""
+    out = assets["tmp"] / "ppo_sigterm"
+    test_train_grpo.stop_by_sigterm_then_resume("train_ppo.py", out, lambda steps, resume: flags(
+        assets, out, "hf", steps, resume, *TOKEN_BUDGET, "--save_freq", "10", "--test_freq", "1"))
+
+
 def test_resume_replays_the_uninterrupted_run(assets, hf_run):
     out = assets["tmp"] / "ppo_hf_resumed"
     run_ppo(flags(assets, out, "hf", 1, "disable", *TOKEN_BUDGET))
