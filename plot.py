@@ -4,9 +4,10 @@ RUN is a run folder (the trainer's --default_local_dir, holding metrics.jsonl) o
 runs are named by their folder (or file) in the legend, or by --labels, one per run. Panels, against
 the step: the training score (critic/score/mean), validation (val-core/<data_source>/reward/mean@1,
 dashed: reward_flexible), response length, the KL term (actor/kl_loss, or actor/reward_kl_penalty
-when the KL is in the reward) and the policy's entropy; and where each step's time goes (timing_s/gen, old_log_prob,
-ref, values, adv, update_critic, update_actor, update_weights) as stacked bars: one bar per step
-for one run, the median of each phase for several (a step that compiles does not skew it).
+when the KL is in the reward) and the policy's entropy; and where each step's time goes
+(timing_s/gen, old_log_prob, ref, values, adv, update_critic, update_actor, update_weights) as
+stacked bars: one bar per step for one run, the median of each phase for several (a step that
+compiles does not skew it).
 Metrics a run does not log (GRPO has no critic) are left out.
 """
 

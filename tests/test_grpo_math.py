@@ -681,9 +681,10 @@ def test_micro_batching_leaves_the_gradient_unchanged(model, mode, packed):
             torch.testing.assert_close(split[name], whole[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
-def test_update_actor_gradient_does_not_depend_on_micro_batch_size(model, monkeypatch):
-    # update_actor itself, at a world size of one: 2 prompts x n = 2 in mini-batches of 1 prompt (2 sequences)
-    monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
+def update_actor_steps(model, args):
+    """update_actor at a world size of one (the caller patches dist.get_world_size) on 2 prompts x n = 2
+    of fixed samples, old and reference log-probs and advantages: the gradient at each optimizer step
+    (GradRecorder) and the metrics."""
     samples = make_samples(LENGTHS, seed=3)
     with torch.no_grad():
         log_probs, _ = forward_log_probs(model, samples, 1.0, True, with_entropy=False)
@@ -692,15 +693,21 @@ def test_update_actor_gradient_does_not_depend_on_micro_batch_size(model, monkey
     old_log_probs = (log_probs + 0.4 * (torch.rand(4, 6, generator=g) - 0.5)) * mask
     ref_log_probs = (log_probs + 0.3 * torch.randn(4, 6, generator=g)) * mask
     advantages = compute_grpo_outcome_advantage(torch.tensor([1.0, 0.0, 0.2, 0.7]), mask, n=2)
+    recorder = GradRecorder(model)
+    model.zero_grad(set_to_none=True)  # the trainer enters each update with no gradients
+    metrics = train_grpo.update_actor(model, recorder, samples, old_log_probs, ref_log_probs, advantages, mask,
+                                      args, step=1, device=torch.device("cpu"))
+    return recorder.steps, metrics
+
+
+def test_update_actor_gradient_does_not_depend_on_micro_batch_size(model, monkeypatch):
+    # update_actor itself, at a world size of one: 2 prompts x n = 2 in mini-batches of 1 prompt (2 sequences)
+    monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
     results = {}
     for micro in (1, 2):
         args = Args(rollout_n=2, train_batch_size=2, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=micro,
                     kl_loss_coef=0.1, entropy_coeff=0.01, grad_clip=1e9, loss_agg_mode="seq-mean-token-mean")
-        recorder = GradRecorder(model)
-        model.zero_grad(set_to_none=True)  # the trainer enters each update with no gradients
-        metrics = train_grpo.update_actor(model, recorder, samples, old_log_probs, ref_log_probs, advantages, mask,
-                                          args, step=1, device=torch.device("cpu"))
-        results[micro] = recorder.steps, metrics
+        results[micro] = update_actor_steps(model, args)
     (steps1, metrics1), (steps2, metrics2) = results[1], results[2]
     assert len(steps1) == len(steps2) == 2  # one optimizer step per mini-batch
     for a, b in zip(steps1, steps2):
@@ -718,14 +725,6 @@ def test_update_actor_with_fused_kernels_takes_the_same_steps(model, monkeypatch
     sharding.fused_log_probs, and the optimizer steps and metrics equal those without it (with an
     entropy bonus, so the entropy's gradient is taken through the chunks too)."""
     monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
-    samples = make_samples(LENGTHS, seed=3)
-    with torch.no_grad():
-        log_probs, _ = forward_log_probs(model, samples, 1.0, True, with_entropy=False)
-    mask = train_grpo.response_targets(samples, 6, "cpu")[1]
-    g = torch.Generator().manual_seed(4)
-    old_log_probs = (log_probs + 0.4 * (torch.rand(4, 6, generator=g) - 0.5)) * mask
-    ref_log_probs = (log_probs + 0.3 * torch.randn(4, 6, generator=g)) * mask
-    advantages = compute_grpo_outcome_advantage(torch.tensor([1.0, 0.0, 0.2, 0.7]), mask, n=2)
     calls = []
     real = sharding.fused_log_probs
     monkeypatch.setattr(sharding, "fused_log_probs", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -733,11 +732,7 @@ def test_update_actor_with_fused_kernels_takes_the_same_steps(model, monkeypatch
     for fused in (False, True):
         args = Args(rollout_n=2, train_batch_size=2, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1,
                     kl_loss_coef=0.1, entropy_coeff=0.01, grad_clip=1e9, use_fused_kernels=fused)
-        recorder = GradRecorder(model)
-        model.zero_grad(set_to_none=True)
-        metrics = train_grpo.update_actor(model, recorder, samples, old_log_probs, ref_log_probs, advantages, mask,
-                                          args, step=1, device=torch.device("cpu"))
-        results[fused] = recorder.steps, metrics
+        results[fused] = update_actor_steps(model, args)
     assert len(calls) == 4  # 4 micro-batches of one sequence, all with the fused head; none without the flag
     (steps, metrics), (fused_steps, fused_metrics) = results[False], results[True]
     for a, b in zip(steps, fused_steps):
