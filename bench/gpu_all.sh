@@ -16,6 +16,9 @@
 #   bash bench/gpu_all.sh profile   # log-prob and update passes, eager, compiled and fused: TFLOP/s, host vs device, kernels,
 #                                   # where compiling took its time and why it recompiled
 #   bash bench/gpu_all.sh qwen3     # 1 GRPO step of the Qwen3-1.7B tutorial shape on a random-init Qwen3-1.7B
+#   bash bench/gpu_all.sh fused     # --use_fused_kernels: the output layer alone, bf16, at Qwen2.5-0.5B's and
+#                                   # Qwen3-1.7B's width (bench/fused_head.py); the update's peak memory and speed
+#                                   # on the random Qwen3-1.7B with gradient checkpointing, with and without it
 #   NPROC=2 bash bench/gpu_all.sh scale  # 3 GRPO steps on 1 and NPROC GPUs (TP 1, TP 2), 3 PPO steps on NPROC,
 #                                        # and the scaling table (bench/scaling_table.py); the same in parts
 #                                        # that fit one call each: scale_1 scale_tp1 scale_tp2 scale_ppo
@@ -82,6 +85,12 @@ for part in "${parts[@]}"; do
                  --resume_mode disable --train_batch_size 1024 --rollout_n 3 --ppo_mini_batch_size 80 \
                  --max_response_length 1024 --enable_gradient_checkpointing --ref_param_offload \
                  --default_local_dir $OUT/qwen3 $QWEN3_ARGS && $PY bench/phase_table.py $OUT/qwen3/metrics.jsonl $plain" ;;
+    fused)  cmd="$PY bench/fused_head.py --dtype bfloat16 --tokens 12288 49152 && \
+                 $PY bench/fused_head.py --dtype bfloat16 --hidden 2048 --tokens 12288 49152 && \
+                 $PY bench/random_model.py --shape qwen3-1.7b --tokenizer $MODEL --out /tmp/models/random-qwen3-1.7b \
+                 && $PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py \
+                 --model /tmp/models/random-qwen3-1.7b --gradient_checkpointing --modes all fused --sequences 320 \
+                 --log_prob_tokens 32768 --update_tokens 12288 24576 49152 --repeats 1" ;;
     # the tutorial's shape at 1 and NPROC GPUs (per-GPU batch shrinks: strong scaling of one step),
     # rollout TP 1 and 2; then PPO on NPROC GPUs. Each run starts afresh in RUNS/scale_*; its
     # metrics.jsonl is copied to OUT/scale_*.jsonl
@@ -106,7 +115,7 @@ for part in "${parts[@]}"; do
                   --modes eager all train fused --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 \
                   --repeats 2" ;;
     *) echo "unknown part $part (test, engine, sync, grpo, grpo_compiled, ppo, learn, val, profile, qwen3, scale,"\
-            "scale_1, scale_1_warm, scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
+            "fused, scale_1, scale_1_warm, scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
   esac
   echo "== $part: $cmd"
   # SIGTERM at LIMIT: a training run checkpoints the step in progress and stops (sharding.StopRequest)

@@ -48,6 +48,28 @@ def varlen_attention_check(device):
                                                   for g, e in zip(grads, ref_grads))}
 
 
+def fused_check(model, samples):
+    """--use_fused_kernels in bf16 under FSDP2: log-probs, entropy and the gradients of each, from the
+    output layer chunk by chunk (sharding.ChunkedLogProbs), against the logits path. Differences are
+    means over response tokens: a matmul over other rows may round a bf16 logit the other way."""
+    runs = {}
+    for fused in (False, True):
+        for term in (0, 1):  # the gradient of the log-probs' sum, then of the entropies'
+            model.zero_grad(set_to_none=True)
+            out = train_grpo.forward_log_probs(model, samples, 1.0, True, with_entropy=True, fused=fused)
+            out[term].sum().backward()
+            grad = torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
+            runs[fused, term] = out[term].detach(), grad
+    model.zero_grad(set_to_none=True)
+    mask = train_grpo.response_targets(samples, runs[False, 0][0].shape[1], runs[False, 0][0].device)[1]
+    mean_diff = lambda a, b: ((a - b).abs() * mask).sum().item() / mask.sum().item()  # noqa: E731
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    return {"fused_log_prob_mean_diff": mean_diff(runs[True, 0][0], runs[False, 0][0]),
+            "fused_entropy_mean_diff": mean_diff(runs[True, 1][0], runs[False, 1][0]),
+            "fused_log_prob_grad_rel_diff": rel(runs[True, 0][1], runs[False, 0][1]),
+            "fused_entropy_grad_rel_diff": rel(runs[True, 1][1], runs[False, 1][1])}
+
+
 def main(model_path, out_path):
     from transformers import AutoModelForCausalLM
 
@@ -82,6 +104,7 @@ def main(model_path, out_path):
     lp = train_grpo.batched_log_probs(actor, samples, 8, 1.0, True, T)
     rlp = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for o in sampled for s in o], device=device)
     res["logprob_gap_bf16"] = logprob_gap(lp, rlp, train_grpo.response_targets(samples, T, device)[1])
+    res |= fused_check(actor, samples)
     # the same model with its shards offloaded to the CPU (--param_offload, --ref_param_offload) computes
     # on the GPU and gives the same log-probs
     offloaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
