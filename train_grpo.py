@@ -932,6 +932,9 @@ def clip_and_step(model, optimizer, max_norm, step, lr_flag):
 def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advantages, response_mask, args, step,
                  device):
     """PPO-style update of the policy on a rank's share of the batch; returns actor/* metrics."""
+    # train mode for the update only, as verl: Hugging Face's gradient checkpointing (and dropout, where a
+    # model has any) act only in it; the log-prob passes and validation run in eval mode
+    actor.train()
     world = dist.get_world_size()
     mini = args.ppo_mini_batch_size * args.rollout_n // world  # sequences per rank per optimizer step
     micro = args.ppo_micro_batch_size_per_gpu
@@ -980,6 +983,7 @@ def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advant
     totals = all_sum(*(v.item() for v in sums.values()), device=device)
     metrics = {f"actor/{k}": v / n_updates for k, v in zip(sums, totals)}
     metrics["actor/grad_norm"] = float(np.mean(grad_norms))
+    actor.eval()
     return metrics
 
 

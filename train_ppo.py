@@ -750,7 +750,8 @@ def load_critic(path, device, args):
     """A value model on the policy's body, as verl builds it: AutoModelForTokenClassification with one label
     (the body under `.model`, a new linear `.score` head), fp32 masters, sharded with FSDP2. Dropout off
     (transformers' default for the head is 0.1; verl sets 0 too), so values are deterministic."""
-    config = AutoConfig.from_pretrained(path, num_labels=1, classifier_dropout=0.0)
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0  # an attribute: from_pretrained drops a keyword its config class lacks
     model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
                                                             attn_implementation=attention(args))
     if device.type == "cuda" and not args.critic_param_offload:
@@ -1109,6 +1110,9 @@ def clip_and_step(model, optimizer, max_norm, step, lr_flag):
 def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advantages, response_mask, args, step,
                  device):
     """PPO-style update of the policy on a rank's share of the batch; returns actor/* metrics."""
+    # train mode for the update only, as verl: Hugging Face's gradient checkpointing (and dropout, where a
+    # model has any) act only in it; the log-prob passes and validation run in eval mode
+    actor.train()
     world = dist.get_world_size()
     mini = args.ppo_mini_batch_size * args.rollout_n // world  # sequences per rank per optimizer step
     micro = args.ppo_micro_batch_size_per_gpu
@@ -1157,12 +1161,15 @@ def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advant
     totals = all_sum(*(v.item() for v in sums.values()), device=device)
     metrics = {f"actor/{k}": v / n_updates for k, v in zip(sums, totals)}
     metrics["actor/grad_norm"] = float(np.mean(grad_norms))
+    actor.eval()
     return metrics
 
 
 def update_critic(critic, optimizer, samples, values, returns, response_mask, args, step, device):
     """Clipped value regression on a rank's share of the batch, over the actor's mini-batches; returns
     critic/* metrics."""
+    # train mode for the update only, as the actor's: gradient checkpointing acts only in it
+    critic.train()
     world = dist.get_world_size()
     mini = args.ppo_mini_batch_size * args.rollout_n // world  # sequences per rank per optimizer step
     micro = args.critic_ppo_micro_batch_size_per_gpu
@@ -1197,6 +1204,7 @@ def update_critic(critic, optimizer, samples, values, returns, response_mask, ar
     totals = all_sum(*(v.item() for v in sums.values()), device=device)
     metrics = {f"critic/{k}": v / n_updates for k, v in zip(sums, totals)}
     metrics["critic/grad_norm"] = float(np.mean(grad_norms))
+    critic.eval()
     return metrics
 
 

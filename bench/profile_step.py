@@ -60,6 +60,7 @@ def log_prob_pass(model, samples, budget, device):
 
 def update_pass(model, samples, budget, device, fused=False):
     """Forward + backward of a token-mean loss on every micro-batch (gradients accumulate)."""
+    model.train()  # as update_actor: gradient checkpointing (--gradient_checkpointing) acts only in train mode
     sync(device)
     t = time.perf_counter()
     for idx in train_grpo.micro_batches(samples, 8, budget):
@@ -69,6 +70,7 @@ def update_pass(model, samples, budget, device, fused=False):
     sync(device)
     dt = time.perf_counter() - t
     model.zero_grad(set_to_none=True)
+    model.eval()
     return dt
 
 

@@ -720,6 +720,35 @@ def test_update_actor_gradient_does_not_depend_on_micro_batch_size(model, monkey
     assert metrics1["actor/grad_norm"] > 0 and metrics1["actor/kl_loss"] > 0
 
 
+def test_update_actor_recomputes_with_gradient_checkpointing(model, monkeypatch):
+    """--enable_gradient_checkpointing acts in the update: Hugging Face checkpoints only in train mode,
+    and from_pretrained leaves a model in eval mode, so update_actor switches to train mode (and back).
+    Each decoder layer then runs its forward again in the backward; the steps are the same."""
+    monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
+    args = Args(rollout_n=2, train_batch_size=2, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1,
+                kl_loss_coef=0.1, entropy_coeff=0.01, grad_clip=1e9)
+    calls = []
+    hook = sharding.decoder_layers(model)[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    results = {}
+    try:
+        for checkpointing in (False, True):
+            if checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.eval()  # as from_pretrained returns it
+            calls.clear()
+            results[checkpointing] = update_actor_steps(model, args)[0], len(calls)
+            assert not model.training  # eval again for the log-prob passes
+    finally:
+        hook.remove()
+        model.gradient_checkpointing_disable()
+    (plain, plain_calls), (recomputed, recomputed_calls) = results[False], results[True]
+    # the helper's no-grad pass, then 2 mini-batches of 2 micro-batches, each forward once more in the backward
+    assert plain_calls == 1 + 4 and recomputed_calls == 1 + 4 + 4
+    for a, b in zip(plain, recomputed):
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-6, msg=name)
+
+
 def test_update_actor_with_fused_kernels_takes_the_same_steps(model, monkeypatch):
     """--use_fused_kernels reaches the update: every micro-batch's forward runs through
     sharding.fused_log_probs, and the optimizer steps and metrics equal those without it (with an

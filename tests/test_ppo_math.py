@@ -306,6 +306,17 @@ def test_update_critic_gradient_does_not_depend_on_micro_batch_size(critic, monk
     assert metrics1["critic/grad_norm"] > 0 and metrics1["critic/vf_clipfrac"] > 0
 
 
+def test_load_critic_turns_the_heads_dropout_off(tmp_path, monkeypatch):
+    """The value head's dropout (transformers' default 0.1) is off: the update runs in train mode, where
+    it would act, and the values it regresses were computed without it."""
+    from tests.tiny_model import make_tiny_model
+    path = make_tiny_model(str(tmp_path / "tiny"))
+    monkeypatch.setattr(sharding, "apply_fsdp2", lambda model, **_: model)  # no process group here
+    critic = train_ppo.load_critic(path, torch.device("cpu"), Args(model=path))
+    rates = [m.p for m in critic.modules() if isinstance(m, torch.nn.Dropout)]
+    assert rates and all(p == 0 for p in rates)
+
+
 def test_update_actor_with_fused_kernels_takes_the_same_steps(monkeypatch):
     """--use_fused_kernels reaches the actor's update: every micro-batch's forward runs through
     sharding.fused_log_probs, and the optimizer steps and metrics equal those without it."""

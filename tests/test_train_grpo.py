@@ -117,8 +117,8 @@ def hf_run(assets):  # micro-batches by token budget (same count on both ranks),
 
 
 @pytest.fixture(scope="module")
-def vllm_run(assets):
-    return two_step_run(assets, "vllm")
+def vllm_run(assets):  # activations recomputed in the update (Hugging Face's checkpointing under FSDP2)
+    return two_step_run(assets, "vllm", "--enable_gradient_checkpointing")
 
 
 @pytest.mark.parametrize("run", ["hf_run", "vllm_run"])

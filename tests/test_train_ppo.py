@@ -85,8 +85,10 @@ def two_step_run(assets, engine, *extra):
 
 
 @pytest.fixture(scope="module")
-def hf_run(assets):  # micro-batches by token budget (same count on both ranks); the vLLM run by count
-    return two_step_run(assets, "hf", *TOKEN_BUDGET)
+def hf_run(assets):  # micro-batches by token budget (same count on both ranks); the vLLM run by count.
+    # Activations recomputed in both updates (Hugging Face's checkpointing under FSDP2)
+    return two_step_run(assets, "hf", *TOKEN_BUDGET, "--enable_gradient_checkpointing",
+                        "--critic_enable_gradient_checkpointing")
 
 
 @pytest.fixture(scope="module")
