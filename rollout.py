@@ -206,11 +206,14 @@ class VLLMEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full tensors named as in the Hugging Face checkpoint into the engine.
 
-        On GPU: wake the weights only, load, then wake the KV cache, so the trainer's freed memory
-        (returned with empty_cache) is available to the cache. The prefix cache is keyed by tokens,
-        not weights, so it is reset: a cached prefix would otherwise reuse the old weights' KV.
+        On GPU: return the memory torch's allocator caches for the trainer (empty_cache), wake the
+        weights only, load, return the load's buffers, then wake the KV cache. An update can leave
+        nearly all of the GPU cached: a resumed run on an H200 then failed to wake even the weights.
+        The prefix cache is keyed by tokens, not weights, so it is reset: a cached prefix would
+        otherwise reuse the old weights' KV.
         """
         if self.on_gpu and self.sleeping:
+            torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
         if self.on_gpu:
             # Straight into the existing bf16 parameters through the model's own weight loaders

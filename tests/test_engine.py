@@ -404,3 +404,29 @@ def test_vllm_log_probs_only_where_asked(tmp_path, monkeypatch):
     assert all(s.logprobs is None for o in none for s in o)
     del engine  # vLLM tears down the process group it made for itself in this process
     gc.collect()
+
+
+def test_update_weights_returns_the_trainers_cached_memory_before_each_wake(monkeypatch):
+    """On a GPU, a sleeping engine wakes its weights, then its KV cache, each after torch's allocator
+    has returned what it caches for the trainer: the update can leave nearly all of the GPU cached."""
+    calls = []
+
+    class FakeLLM:
+        def wake_up(self, tags):
+            calls.append(f"wake {tags[0]}")
+
+        def apply_model(self, fn):
+            calls.append("load")
+
+        def reset_prefix_cache(self):
+            calls.append("reset prefix cache")
+
+    engine = object.__new__(rollout.VLLMEngine)  # the GPU path without a GPU
+    engine.llm, engine.on_gpu, engine.sleeping = FakeLLM(), True, True
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    engine.update_weights(iter([]))
+    assert calls == ["empty_cache", "wake weights", "load", "empty_cache", "wake kv_cache", "reset prefix cache"]
+    assert not engine.sleeping
+    calls.clear()
+    engine.update_weights(iter([]))  # awake: nothing to wake, nothing to return
+    assert calls == ["load", "reset prefix cache"]
