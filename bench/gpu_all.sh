@@ -118,9 +118,9 @@ for part in "${parts[@]}"; do
             "fused, scale_1, scale_1_warm, scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
   esac
   echo "== $part: $cmd"
-  # SIGTERM at LIMIT: a training run checkpoints the step in progress and stops (sharding.StopRequest)
-  # within the 45 s before SIGKILL; torchrun waits 40 of them for its workers
-  TORCH_ELASTIC_SHUTDOWN_TIMEOUT=40 timeout -k 45 "$LIMIT" bash -c "$cmd" > "$OUT/$part.log" 2>&1
+  # SIGTERM to the workers at LIMIT: a training run checkpoints the step in progress and stops
+  # (sharding.StopRequest) within the 45 s before everything is killed (bench/limit.sh)
+  bash bench/limit.sh "$LIMIT" 45 "$cmd" > "$OUT/$part.log" 2>&1
   echo "== $part: exit $?"
   if [ "$part" = learn ] && [ -f "$LEARN_DIR/metrics.jsonl" ]; then
     cp "$LEARN_DIR/metrics.jsonl" "$OUT/learn_metrics.jsonl"

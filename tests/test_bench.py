@@ -162,3 +162,35 @@ def test_fused_head_bench_runs_both_ways_and_agrees(tmp_path):
     assert [r[1] for r in rows] == ["logits", "fused"], proc.stdout
     assert all(float(r[2]) > 0 for r in rows)  # peak GB
     assert float(rows[1][-1]) < 1e-5, proc.stdout  # max |grad diff|, float32
+
+
+SLOW_STOP = """
+import signal, sys, time
+def stop(*_):
+    time.sleep(4)  # finishing the step in progress and checkpointing it
+    open(sys.argv[1] + "." + __import__("os").environ["RANK"], "w").write("saved")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+time.sleep(120)
+"""
+
+
+def test_limit_signals_the_workers_and_lets_them_finish(tmp_path):
+    """bench/limit.sh at its limit signals torchrun's workers only: torchrun, told to give them 1 s
+    after a signal of its own, waits for them as they take 4 s to checkpoint and exit cleanly."""
+    import subprocess
+    import time
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "slow_stop.py"
+    script.write_text(SLOW_STOP)
+    env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1"}
+    cmd = f"{sys.executable} -m torch.distributed.run --nproc_per_node=2 --master_port 0 {script} {tmp_path}/saved"
+    start = time.monotonic()
+    proc = subprocess.run(["bash", os.path.join(root, "bench/limit.sh"), "2", "30", cmd], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("saved.*")) == ["saved.0", "saved.1"]
+    assert time.monotonic() - start < 25  # ended with the workers, not at the grace period's end
+    # a command without torchrun gets the signal itself
+    proc = subprocess.run(["bash", os.path.join(root, "bench/limit.sh"), "1", "30", "sleep 20"], timeout=60)
+    assert proc.returncode == 143  # 128 + SIGTERM

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# bash bench/limit.sh SECONDS GRACE COMMAND...: run COMMAND (one bash command line); after SECONDS, send
+# SIGTERM to the workers of each torchrun it started, so that the train scripts finish the step in
+# progress, checkpoint it and exit (sharding.StopRequest), and torchrun exits with them; GRACE seconds
+# later, kill whatever is left. Signalling torchrun as well, as `timeout` does, would start its own
+# clock: it kills its workers 30 s later, and torch before 2.12 has no way to lengthen that (a step and
+# a checkpoint of the 0.5B model on one H200 took 29 s of it). A command that started no torchrun gets
+# the SIGTERM itself. Exit status: the command's.
+set -u
+limit=$1 grace=$2
+shift 2
+setsid bash -c "$*" &  # its own session: everything it starts can be found, and killed, by session id
+pid=$!
+(
+  trap 'kill "$sleeper" 2>/dev/null; exit 0' TERM  # the command ended first: no signal, no stray sleep
+  sleep "$limit" & sleeper=$!
+  wait "$sleeper"
+  launchers=$(pgrep -s "$pid" -f torch.distributed.run)
+  if [ -n "$launchers" ]; then
+    for launcher in $launchers; do pkill -TERM -P "$launcher"; done
+  else
+    pkill -TERM -s "$pid"
+  fi
+  sleep "$grace" & sleeper=$!
+  wait "$sleeper"
+  pkill -KILL -s "$pid"
+) &
+watchdog=$!
+wait "$pid"
+status=$?
+kill "$watchdog" 2>/dev/null
+exit "$status"
