@@ -10,7 +10,7 @@ as an update with an entropy bonus does. `logits`: the trainer's path without th
 (K, V), then train_grpo.token_log_probs and token_entropy); `fused`: sharding.ChunkedLogProbs. Peak:
 torch's allocator counter on a GPU, the process's maximum resident memory on a CPU (which includes
 the ~0.4 GB of the interpreter and torch). Reported beside it: the inputs' own size, and the
-largest gradient difference between the two ways.
+largest gradient difference between the two ways. A way that runs out of GPU memory prints as such.
 """
 
 import argparse
@@ -41,14 +41,19 @@ def one(way, tokens, hidden_size, vocab, dtype, out):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    if way == "fused":
-        log_probs, entropy = sharding.ChunkedLogProbs.apply(hidden, weight, targets, 1.0,
-                                                            max(1, 2**28 // vocab))
-    else:
-        logits = hidden @ weight.T
-        log_probs = train_grpo.token_log_probs(logits, targets, 1.0)
-        entropy = train_grpo.token_entropy(logits, 1.0)
-    (log_probs.exp().sum() + 0.01 * entropy.sum()).backward()
+    try:
+        if way == "fused":
+            log_probs, entropy = sharding.ChunkedLogProbs.apply(hidden, weight, targets, 1.0,
+                                                                max(1, 2**28 // vocab))
+        else:
+            logits = hidden @ weight.T
+            log_probs = train_grpo.token_log_probs(logits, targets, 1.0)
+            entropy = train_grpo.token_entropy(logits, 1.0)
+        (log_probs.exp().sum() + 0.01 * entropy.sum()).backward()
+    except torch.OutOfMemoryError:
+        with open(out, "w") as f:
+            json.dump({"oom": True, "device": device.type}, f)
+        return
     if device.type == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
@@ -75,7 +80,11 @@ def main(a):
                 subprocess.run([sys.executable, __file__, "--one", way, "--tokens", str(tokens), "--hidden",
                                 str(a.hidden), "--vocab", str(a.vocab), "--dtype", a.dtype, "--out", out],
                                check=True)
-                results[way] = json.load(open(out)), torch.load(out + ".pt")
+                r = json.load(open(out))
+                if r.get("oom"):
+                    print(f"{tokens:>7} {way:>7} out of memory", flush=True)
+                    continue
+                results[way] = r, torch.load(out + ".pt")
             diff = float("nan")
             if len(results) == 2:
                 diff = max((results["fused"][1][k] - results["logits"][1][k]).abs().max().item()
