@@ -148,7 +148,8 @@ def apply_fsdp2(
     Parameters stay in their stored dtype (fp32 masters for training) and are cast to `param_dtype`
     for compute; gradients are reduced in `reduce_dtype`. `cpu_offload` keeps parameters, gradients
     and the optimizer step on the CPU (verl's `param_offload`). Gradient checkpointing uses the
-    model's own non-reentrant checkpointing, which leaves parameter names untouched.
+    model's own non-reentrant checkpointing, which leaves parameter names untouched; as Hugging
+    Face's, it acts in train mode only, which the scripts' updates switch to (and back to eval).
     """
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
