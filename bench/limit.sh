@@ -15,7 +15,11 @@ pid=$!
   trap 'kill "$sleeper" 2>/dev/null; exit 0' TERM  # the command ended first: no signal, no stray sleep
   sleep "$limit" & sleeper=$!
   wait "$sleeper"
-  launchers=$(pgrep -s "$pid" -f torch.distributed.run)
+  # torchrun's own processes; not a shell whose command line names it (`bash -c "a && torchrun ..."`
+  # stays the parent of what it runs, and signalling its children would signal torchrun)
+  launchers=$(for p in $(pgrep -s "$pid" -f torch.distributed.run); do
+    case $(ps -o comm= -p "$p") in sh|bash|dash|zsh) ;; *) echo "$p" ;; esac
+  done)
   if [ -n "$launchers" ]; then
     for launcher in $launchers; do pkill -TERM -P "$launcher"; done
   else

@@ -175,16 +175,19 @@ time.sleep(120)
 """
 
 
-def test_limit_signals_the_workers_and_lets_them_finish(tmp_path):
+@pytest.mark.parametrize("after", ["", " && true"])
+def test_limit_signals_the_workers_and_lets_them_finish(tmp_path, after):
     """bench/limit.sh at its limit signals torchrun's workers only: torchrun, told to give them 1 s
-    after a signal of its own, waits for them as they take 4 s to checkpoint and exit cleanly."""
+    after a signal of its own, waits for them as they take 4 s to checkpoint and exit cleanly. Also
+    when a command follows torchrun's: its shell then waits for torchrun, and its command line names it."""
     import subprocess
     import time
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = tmp_path / "slow_stop.py"
     script.write_text(SLOW_STOP)
     env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1"}
-    cmd = f"{sys.executable} -m torch.distributed.run --nproc_per_node=2 --master_port 0 {script} {tmp_path}/saved"
+    cmd = (f"{sys.executable} -m torch.distributed.run --nproc_per_node=2 --master_port 0 {script} "
+           f"{tmp_path}/saved{after}")
     start = time.monotonic()
     proc = subprocess.run(["bash", os.path.join(root, "bench/limit.sh"), "2", "30", cmd], env=env,
                           capture_output=True, text=True, timeout=60)
