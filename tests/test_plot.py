@@ -67,3 +67,20 @@ def test_labels_name_the_runs_and_the_validation_legend_names_line_styles(tmp_pa
     with pytest.raises(SystemExit, match="2 --labels for 3 runs"):
         plot.plot(runs, tmp_path / "bad.png", labels=["a", "b"])
     assert not (tmp_path / "bad.png").exists()
+
+
+def test_against_training_minutes(tmp_path, monkeypatch):
+    """--x minutes: each point at the sum of timing_s/step so far (3.7 s a step; the validation before
+    step 1 at 0), so runs whose steps take different times line up by the time they trained."""
+    run = write_run(tmp_path / "run", 3, critic=False)
+    assert plot.training_minutes(plot.load_run(run)[1]) == pytest.approx({0: 0.0, 1: 3.7 / 60, 2: 7.4 / 60,
+                                                                          3: 11.1 / 60})
+    figures = []
+    monkeypatch.setattr(plot.plt, "close", figures.append)
+    plot.plot([run], tmp_path / "minutes.png", x="minutes")
+    validation = figures[0].axes[1]
+    assert list(validation.get_lines()[0].get_xdata()) == pytest.approx([0.0, 11.1 / 60])  # steps 0 and 3
+    assert list(figures[0].axes[0].get_lines()[0].get_xdata()) == pytest.approx([3.7 / 60, 7.4 / 60, 11.1 / 60])
+    assert validation.get_xlabel() == "training time (min)" and figures[0].axes[5].get_xlabel() == "step"
+    with pytest.raises(SystemExit, match="--x hours: use one of step, minutes"):
+        plot.plot([run], tmp_path / "bad.png", x="hours")
