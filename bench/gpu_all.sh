@@ -46,6 +46,9 @@ fast="--use_dynamic_bsz --ppo_max_token_len_per_gpu 12288 --log_prob_max_token_l
 plain=""
 [ -f "$OUT/bench_engine.json" ] && plain="--plain_tok_s $OUT/bench_engine.json"
 data="--train_files $DATA/train.parquet --val_files $DATA/test.parquet"
+# the random-init Qwen3-1.7B of the qwen3 and fused parts, written once per machine (bench/random_model.py)
+qwen3=/tmp/models/random-qwen3-1.7b
+make_qwen3="$PY bench/random_model.py --shape qwen3-1.7b --tokenizer $MODEL --out $qwen3"
 steps="--total_training_steps 3 --val_before_train false --test_freq -1 --export_final false --resume_mode disable"
 # one run of the tutorial's shape, afresh in RUNS/NAME, metrics copied to OUT: GPUS TP SCRIPT NAME [FLAGS]
 scale_run() {
@@ -79,17 +82,15 @@ for part in "${parts[@]}"; do
                  --val_n 5 --val_temperature 1.0 --max_response_length 512 --default_local_dir $OUT/val \
                  --resume_mode disable $VAL_ARGS" ;;
     # the Qwen3 tutorial: 1024 prompts x 3, mini-batch 80, responses up to 1024 (random weights rarely stop)
-    qwen3)  cmd="$PY bench/random_model.py --shape qwen3-1.7b --tokenizer $MODEL --out /tmp/models/random-qwen3-1.7b \
-                 && $PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model /tmp/models/random-qwen3-1.7b \
+    qwen3)  cmd="$make_qwen3 && $PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $qwen3 \
                  $data $fast --total_training_steps 1 --val_before_train false --test_freq -1 --export_final false \
                  --resume_mode disable --train_batch_size 1024 --rollout_n 3 --ppo_mini_batch_size 80 \
                  --max_response_length 1024 --enable_gradient_checkpointing --ref_param_offload \
                  --default_local_dir $OUT/qwen3 $QWEN3_ARGS && $PY bench/phase_table.py $OUT/qwen3/metrics.jsonl $plain" ;;
     fused)  cmd="$PY bench/fused_head.py --dtype bfloat16 --tokens 12288 49152 && \
                  $PY bench/fused_head.py --dtype bfloat16 --hidden 2048 --tokens 12288 49152 && \
-                 $PY bench/random_model.py --shape qwen3-1.7b --tokenizer $MODEL --out /tmp/models/random-qwen3-1.7b \
-                 && $PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py \
-                 --model /tmp/models/random-qwen3-1.7b --gradient_checkpointing --modes all fused --sequences 320 \
+                 $make_qwen3 && $PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py \
+                 --model $qwen3 --gradient_checkpointing --modes all fused --sequences 320 \
                  --log_prob_tokens 32768 --update_tokens 12288 24576 49152 --repeats 1" ;;
     # the tutorial's shape at 1 and NPROC GPUs (per-GPU batch shrinks: strong scaling of one step),
     # rollout TP 1 and 2; then PPO on NPROC GPUs. Each run starts afresh in RUNS/scale_*; its
