@@ -4,7 +4,6 @@ steps). Whether the full demo learns is measured by running it, not here: it tak
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from data import arith
 from data.dataset import load_rl_dataset
 from data.gsm8k import SCHEMA
 from tests.tiny import make_tiny_tokenizer
+from tests.tiny_model import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,9 +91,7 @@ def test_warm_start_lowers_the_loss_and_saves_a_loadable_model(tmp_path):
 
 
 def test_quick_demo_runs_the_trainer_end_to_end(tmp_path):
-    with socket.socket() as s:  # a free port for the trainer's world-of-one process group
-        s.bind(("127.0.0.1", 0))
-        env = {**os.environ, "MASTER_PORT": str(s.getsockname()[1])}
+    env = {**os.environ, "MASTER_PORT": str(free_port())}  # for the trainer's world-of-one process group
     proc = subprocess.run([sys.executable, "demo.py", "--quick", "--out", str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]

