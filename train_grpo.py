@@ -940,8 +940,10 @@ def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advant
     micro = args.ppo_micro_batch_size_per_gpu
     max_tokens = args.ppo_max_token_len_per_gpu if args.use_dynamic_bsz else None
     # running sums stay on the device: an .item() per micro-batch would stall the GPU each time
-    sums = {k: torch.zeros((), device=device)
-            for k in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")}
+    names = ["pg_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"]
+    if ref_log_probs is not None:  # as verl: no actor/kl_loss without the term (a 0 would read as no drift)
+        names.append("kl_loss")
+    sums = {k: torch.zeros((), device=device) for k in names}
     grad_norms, n_updates = [], 0
     for _ in range(args.ppo_epochs):
         for start in range(0, len(samples), mini):

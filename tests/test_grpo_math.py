@@ -677,10 +677,10 @@ def test_micro_batching_leaves_the_gradient_unchanged(model, mode, packed):
             torch.testing.assert_close(split[name], whole[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
-def update_actor_steps(model, args):
+def update_actor_steps(model, args, ref=True):
     """update_actor at a world size of one (the caller patches dist.get_world_size) on 2 prompts x n = 2
-    of fixed samples, old and reference log-probs and advantages: the gradient at each optimizer step
-    (GradRecorder) and the metrics."""
+    of fixed samples, old and reference log-probs (none if not `ref`: no KL loss) and advantages: the
+    gradient at each optimizer step (GradRecorder) and the metrics."""
     samples = make_samples(LENGTHS, seed=3)
     with torch.no_grad():
         log_probs, _ = forward_log_probs(model, samples, 1.0, True, with_entropy=False)
@@ -691,9 +691,21 @@ def update_actor_steps(model, args):
     advantages = compute_grpo_outcome_advantage(torch.tensor([1.0, 0.0, 0.2, 0.7]), mask, n=2)
     recorder = GradRecorder(model)
     model.zero_grad(set_to_none=True)  # the trainer enters each update with no gradients
-    metrics = train_grpo.update_actor(model, recorder, samples, old_log_probs, ref_log_probs, advantages, mask,
-                                      args, step=1, device=torch.device("cpu"))
+    metrics = train_grpo.update_actor(model, recorder, samples, old_log_probs, ref_log_probs if ref else None,
+                                      advantages, mask, args, step=1, device=torch.device("cpu"))
     return recorder.steps, metrics
+
+
+def test_update_actor_logs_kl_loss_only_with_the_kl_term(model, monkeypatch):
+    """Without --use_kl_loss the update gets no reference log-probs and logs no actor/kl_loss (as verl):
+    a logged 0 would read as a policy that never left the reference."""
+    monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
+    args = Args(rollout_n=2, train_batch_size=2, ppo_mini_batch_size=1, grad_clip=1e9, kl_loss_coef=0.1)
+    with_kl = update_actor_steps(model, args)[1]
+    without = update_actor_steps(model, Args(rollout_n=2, train_batch_size=2, ppo_mini_batch_size=1, grad_clip=1e9,
+                                             use_kl_loss=False), ref=False)[1]
+    assert with_kl["actor/kl_loss"] > 0
+    assert set(with_kl) - set(without) == {"actor/kl_loss"} and set(without) <= set(with_kl)
 
 
 def test_update_actor_gradient_does_not_depend_on_micro_batch_size(model, monkeypatch):
