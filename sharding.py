@@ -360,13 +360,14 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device 
 
 class StopRequest:
     """SIGTERM, the notice a batch scheduler or `timeout` gives before it kills a job, noted instead of
-    obeyed: the train loop asks `agreed` at the end of each step, and when any rank was signalled all of
-    them checkpoint that step and stop, so `--resume_mode auto` continues where the run stopped rather
-    than from the last `--save_freq` checkpoint. A step that outlasts the grace period is lost as
-    before: torchrun, signalled itself, passes the signal on and kills its workers 30 s later
-    (`--shutdown-timeout` from torch 2.12; before, signal the workers alone, as bench/limit.sh does).
-    Every later SIGTERM is noted the same way (`timeout` signals the workers and torchrun, which signals
-    them again); Ctrl-C (SIGINT) still stops at once."""
+    obeyed: the train loop asks `agreed` after each step's update, again after its validation and
+    after its checkpoint, and when any rank was signalled all of them checkpoint that step and stop,
+    so `--resume_mode auto` continues where the run stopped rather than from the last `--save_freq`
+    checkpoint. A step that outlasts the grace period is lost as before: torchrun, signalled itself,
+    passes the signal on and kills its workers 30 s later (`--shutdown-timeout` from torch 2.12;
+    before, signal the workers alone, as bench/limit.sh does). Every later SIGTERM is noted the same
+    way (`timeout` signals the workers and torchrun, which signals them again); Ctrl-C (SIGINT)
+    still stops at once."""
 
     def __init__(self):
         self.signalled = False

@@ -893,11 +893,14 @@ def main(args):
         if val is not None and args.test_freq > 0 and (step % args.test_freq == 0 or last_step) and not stopping:
             with Timer(metrics, device)("testing"):
                 metrics |= validate(engine, val, args, tokenizer, reward_fn)
+            stopping = not last_step and stop.agreed(device)  # a SIGTERM during validation: this step, too
         if (args.save_freq > 0 and step % args.save_freq == 0) or last_step or stopping:
             with Timer(metrics, device)("save_checkpoint"):
                 sharding.save_checkpoint(args.default_local_dir, step, {"actor": actor}, {"actor": optimizer},
                                          {"actor": scheduler}, {"epoch": epoch, "batch_idx": batch_idx},
                                          keep_last=args.keep_last_checkpoints)
+            # one during the checkpoint: the run stops now, the checkpoint holds this step
+            stopping = stopping or (not last_step and stop.agreed(device))
         logger.log(metrics, step)
         bar.update(1)
         if stopping:

@@ -230,6 +230,42 @@ def test_sigterm_checkpoints_the_step_in_progress_and_resume_continues(assets):
         assets, out, "hf", steps, resume, "--save_freq", "10", "--test_freq", "1"))
 
 
+SIGTERM_IN_VALIDATION = '''
+import os, signal
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """The test set's first response scored sends this rank a SIGTERM, once: it lands in validation."""
+    if extra_info["split"] == "test":
+        try:
+            os.close(os.open(__file__ + ".signalled", os.O_CREAT | os.O_EXCL))
+            os.kill(os.getpid(), signal.SIGTERM)
+        except FileExistsError:
+            pass
+    return 0.5
+'''
+
+
+def stop_in_validation(run, out, make_flags):
+    """A SIGTERM that arrives while a step validates (9-17 s on an H200) stops the run after that step,
+    checkpointed, instead of running the next step first (which can outlast the grace period). `run`
+    launches two ranks with `make_flags(reward_file)` (20 steps, validation every 2 from step 2,
+    checkpoints every 10); the reward function signals one rank, and both stop."""
+    reward_fn = out.parent / f"{out.name}_reward.py"
+    reward_fn.write_text(SIGTERM_IN_VALIDATION)
+    proc = run(make_flags(reward_fn))
+    assert proc.returncode == 0, proc.output[-6000:]
+    assert "stopped by SIGTERM after step 2 of 20" in proc.output, proc.output[-6000:]
+    assert os.path.basename(sharding.latest_checkpoint(str(out))) == "global_step_2"
+    logged = metrics_by_step(out)
+    assert max(logged) == 2 and "timing_s/testing" in logged[2] and "timing_s/save_checkpoint" in logged[2]
+
+
+def test_sigterm_during_validation_stops_after_that_step(assets):
+    out = assets["tmp"] / "run_sigterm_val"
+    stop_in_validation(launch, out, lambda reward_fn: flags(
+        assets, out, "hf", 20, "disable", "--save_freq", "10", "--test_freq", "2", "--val_before_train", "false",
+        "--custom_reward_function_path", str(reward_fn)))
+
+
 def test_resuming_a_finished_run_does_nothing(assets, hf_run):
     before = (hf_run / "metrics.jsonl").read_text()
     checkpoints = sorted(os.listdir(hf_run))

@@ -180,6 +180,14 @@ def test_sigterm_checkpoints_the_step_in_progress_and_resume_continues(assets):
         assets, out, "hf", steps, resume, *TOKEN_BUDGET, "--save_freq", "10", "--test_freq", "1"))
 
 
+def test_sigterm_during_validation_stops_after_that_step(assets):
+    """The GRPO test's procedure (test_train_grpo.stop_in_validation)."""
+    out = assets["tmp"] / "ppo_sigterm_val"
+    test_train_grpo.stop_in_validation(run_ppo, out, lambda reward_fn: flags(
+        assets, out, "hf", 20, "disable", *TOKEN_BUDGET, "--save_freq", "10", "--test_freq", "2",
+        "--val_before_train", "false", "--custom_reward_function_path", str(reward_fn)))
+
+
 def test_resume_replays_the_uninterrupted_run(assets, hf_run):
     out = assets["tmp"] / "ppo_hf_resumed"
     run_ppo(flags(assets, out, "hf", 1, "disable", *TOKEN_BUDGET))
