@@ -4,6 +4,7 @@ never change a result, micro-batching leaves the gradient unchanged, packed equa
 Shapes as in train_grpo.py: N sequences (B prompts x n samples), T response tokens, V vocabulary.
 """
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -702,8 +703,7 @@ def test_update_actor_logs_kl_loss_only_with_the_kl_term(model, monkeypatch):
     monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
     args = Args(rollout_n=2, train_batch_size=2, ppo_mini_batch_size=1, grad_clip=1e9, kl_loss_coef=0.1)
     with_kl = update_actor_steps(model, args)[1]
-    without = update_actor_steps(model, Args(rollout_n=2, train_batch_size=2, ppo_mini_batch_size=1, grad_clip=1e9,
-                                             use_kl_loss=False), ref=False)[1]
+    without = update_actor_steps(model, dataclasses.replace(args, use_kl_loss=False), ref=False)[1]
     assert with_kl["actor/kl_loss"] > 0
     assert set(with_kl) - set(without) == {"actor/kl_loss"} and set(without) <= set(with_kl)
 
