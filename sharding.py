@@ -184,6 +184,55 @@ def no_grad_compiled(fn, with_grad: bool = False):
     return call
 
 
+def _log_probs_and_lse(logits, targets, temperature):
+    """log softmax(logits / T) at `targets`, and logsumexp(logits / T), in fp32: (K, V), (K,) -> (K,), (K,)."""
+    z = logits.float() / temperature
+    lse = torch.logsumexp(z, -1)
+    return z.gather(-1, targets[:, None]).squeeze(-1) - lse, lse
+
+
+def _log_probs_backward(logits, targets, lse, grad, temperature):
+    """dL/dlogits = (onehot(y) - softmax(logits / T)) * dL/dlog p_y / T, in logits' dtype: (K, V)."""
+    p = (logits.float() / temperature - lse[:, None]).exp()
+    hit = torch.arange(logits.shape[-1], device=logits.device) == targets[:, None]
+    return ((hit.float() - p) * (grad[:, None].float() / temperature)).to(logits.dtype)
+
+
+_COMPILED_LOG_PROBS = {}  # compiled on first use: one graph for the forward, one for the backward
+
+
+class CompiledLogProbs(torch.autograd.Function):
+    """log softmax(logits / T) at the target tokens from whole logits (K, V) -> (K,) fp32 (the scripts'
+    `token_log_probs` under `--use_torch_compile`), through two compiled kernels and a gradient written
+    by hand: d log p_y / dz = onehot(y) - p for z = logits / T, p = softmax(z).
+
+    The forward is the graph the passes without gradients use (old and reference log-probs), so the
+    update adds only the small backward graph to compile, where compiling the whole with autograd
+    costs a joint graph (about 40 s of the first step on one H200; docs/benchmarks.md). It keeps the
+    bf16 logits and a logsumexp per row for the backward, where eager autograd keeps their fp32 copy.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature):
+        if not _COMPILED_LOG_PROBS:
+            _COMPILED_LOG_PROBS.update(forward=torch.compile(_log_probs_and_lse, dynamic=True),
+                                       backward=torch.compile(_log_probs_backward, dynamic=True))
+        log_probs, lse = _COMPILED_LOG_PROBS["forward"](logits, targets, temperature)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature = temperature
+        return log_probs
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, targets, lse = ctx.saved_tensors
+        return _COMPILED_LOG_PROBS["backward"](logits, targets, lse, grad, ctx.temperature), None, None
+
+
+def compiled_log_probs(logits, targets, temperature):
+    """`CompiledLogProbs` as a function: log softmax(logits / T) at `targets`, (K, V), (K,) -> (K,) fp32."""
+    return CompiledLogProbs.apply(logits, targets, temperature)
+
+
 def compile_layers(model: torch.nn.Module, with_grad: bool = False) -> torch.nn.Module:
     """Regional compilation of each decoder layer's forward, for the passes without gradients (old
     and reference log-probs, values; see `no_grad_compiled`).

@@ -123,8 +123,8 @@ class Args:
     use_remove_padding: bool = field(default=True, metadata={"help": "pack sequences instead of padding"})
     # speed
     use_torch_compile: bool | None = field(default=None, metadata={
-        "help": "torch.compile the log-prob and entropy math over the vocabulary, in the passes without gradients "
-        "(default: on GPU)"})
+        "help": "torch.compile the log-prob and entropy math over the vocabulary: the log-probs in every pass, the "
+        "entropy in the passes without gradients (default: on GPU)"})
     compile_layers: bool | None = field(default=None, metadata={
         "help": "torch.compile each decoder layer, in the passes without gradients (default: on GPU)"})
     use_fused_kernels: bool = field(default=False, metadata={
@@ -344,13 +344,14 @@ def token_entropy(logits, temperature):
 # The two passes over the (K, V) logits. Eagerly each runs as several kernels, each writing a (K, V)
 # fp32 tensor; at a vocabulary of 152k that costs more than the lm_head matmul itself (on one H200,
 # ~0.5 s of a 2.45 s log-prob pass over a GRPO step's 1,280 responses; docs/benchmarks.md).
-# `--use_torch_compile` (verl's flag) swaps in versions compiled for the passes without gradients
-# (sharding.no_grad_compiled), which read the bf16 logits once; `--compile_update` for the update too.
+# `--use_torch_compile` (verl's flag) swaps in compiled versions, which read the bf16 logits once: the
+# log-probs in every pass (sharding.CompiledLogProbs: the same math, its gradient written by hand), the
+# entropy in the passes without gradients (sharding.no_grad_compiled); `--compile_update` in the update too.
 LOGITS_MATH = {"log_probs": token_log_probs, "entropy": token_entropy}
 
 
 def compile_logits_math(with_grad=False):
-    LOGITS_MATH.update(log_probs=sharding.no_grad_compiled(token_log_probs, with_grad),
+    LOGITS_MATH.update(log_probs=sharding.compiled_log_probs,
                        entropy=sharding.no_grad_compiled(token_entropy, with_grad))
 
 

@@ -9,9 +9,9 @@ attention) and measures, per token budget of a micro-batch:
 - forward + backward of a GRPO-like loss over a mini-batch, as `update_actor` runs it (no optimizer step);
 each as TFLOP/s and MFU with the trainer's own FLOP count (train_grpo.phase_perf), once per --modes entry:
 `eager` (no torch.compile), `logits` (--use_torch_compile: the log-prob / entropy math compiled),
-`all` (that and --compile_layers). Both compile only what runs without gradients (the trainer's
-choice, see sharding.no_grad_compiled): the update pass differs between modes only in its entropy
-metric. `train` compiles as `all` does and the update's forward and backward too
+`all` (that and --compile_layers). Both compile the log-prob math in every pass (with its gradient
+by hand, sharding.CompiledLogProbs) and the rest only where it runs without gradients (the trainer's
+choice, see sharding.no_grad_compiled). `train` compiles as `all` does and the update's layers' forward and backward too
 (--compile_update); `fused` compiles as `all` does and computes the update's log-probs from the output
 layer chunk by chunk (--use_fused_kernels). A budget that runs out of memory prints as such.
 Per mode, one update micro-batch at the largest budget that fitted runs under the profiler: device

@@ -383,7 +383,8 @@ def log_prob_entropy_grads(m, samples):
 def test_compiled_layers_and_logits_math_equal_eager(model, monkeypatch):
     """--compile_layers and --use_torch_compile change kernels, not results: without gradients
     (where they compile) log-probs and entropy of packed batches of two shapes equal the eager ones;
-    with gradients the eager code runs, so the gradient is the eager one exactly."""
+    with gradients the layers and the entropy run eagerly and the log-probs through their compiled
+    forward and hand-written backward (sharding.CompiledLogProbs): the gradient equals the eager one."""
     import copy
 
     from torch._dynamo.utils import counters
@@ -404,7 +405,7 @@ def test_compiled_layers_and_logits_math_equal_eager(model, monkeypatch):
     for a, e in zip(actual, expected):
         close(a, e, atol=1e-5)
     for a, e in zip(actual_grads, expected_grads):
-        assert torch.equal(a, e)
+        close(a, e, atol=1e-5, rtol=1e-4)
 
 
 def test_compile_update_compiles_the_backward_and_keeps_the_gradient(model, monkeypatch):
@@ -423,9 +424,44 @@ def test_compile_update_compiles_the_backward_and_keeps_the_gradient(model, monk
         if node is not None and node not in seen:
             seen.add(node)
             nodes += [n for n, _ in node.next_functions]
-    assert sum(type(n).__name__ == "CompiledFunctionBackward" for n in seen) >= 2  # layers and logits math
+    names = [type(n).__name__ for n in seen]
+    assert "CompiledFunctionBackward" in names  # the layers (and the entropy's math)
+    assert "CompiledLogProbsBackward" in names  # the log-probs' hand-written backward
     for a, e in zip(actual, expected):
         close(a, e, atol=1e-5, rtol=1e-4)
+
+
+def test_compiled_log_probs_by_hand():
+    """Two rows of logits [ln 3, 0] at T = 2: z = [ln 3 / 2, 0], p = [0.633975, 0.366025] (sqrt 3 / (sqrt 3 + 1)).
+    Target 0: log p_0 = -0.455746; target 1: log p_1 = -1.005052. The loss log p_0 + 2 log p_1 has
+    d/dlogits = g (onehot - p) / T: row 0 [0.366025, -0.366025] / 2, row 1 2 [-0.633975, 0.633975] / 2."""
+    logits = torch.tensor([[math.log(3), 0.0]] * 2, requires_grad=True)
+    log_probs = sharding.compiled_log_probs(logits, torch.tensor([0, 1]), 2.0)
+    close(log_probs, [-0.455746, -1.005052], atol=1e-6)
+    (log_probs * torch.tensor([1.0, 2.0])).sum().backward()
+    close(logits.grad, [[0.183013, -0.183013], [-0.633975, 0.633975]], atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_log_probs_equal_autograd(dtype):
+    """The log-probs and the gradient of a loss that weighs them unevenly equal autograd through the
+    eager `token_log_probs`, for fp32 and bf16 logits (the gradient in the logits' dtype) and two shapes."""
+    g = torch.Generator().manual_seed(0)
+    for K, V in ((7, 11), (13, 5)):
+        logits = (3 * torch.randn(K, V, generator=g)).to(dtype)
+        targets = torch.randint(0, V, (K,), generator=g)
+        coef = torch.randn(K, generator=g)
+        grads = []
+        for fn in (token_log_probs, sharding.compiled_log_probs):
+            x = logits.clone().requires_grad_()
+            out = fn(x, targets, 0.7)
+            assert out.dtype == torch.float32
+            (out * coef).sum().backward()
+            grads.append((out.detach(), x.grad))
+        (expected, expected_grad), (actual, actual_grad) = grads
+        close(actual, expected, atol=1e-5)
+        assert actual_grad.dtype == dtype
+        close(actual_grad, expected_grad, atol=1e-6 if dtype == torch.float32 else 1e-2)
 
 
 def test_chunked_log_probs_by_hand():
