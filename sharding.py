@@ -217,7 +217,8 @@ class CompiledLogProbs(torch.autograd.Function):
         if not _COMPILED_LOG_PROBS:
             _COMPILED_LOG_PROBS.update(forward=torch.compile(_log_probs_and_lse, dynamic=True),
                                        backward=torch.compile(_log_probs_backward, dynamic=True))
-        log_probs, lse = _COMPILED_LOG_PROBS["forward"](logits, targets, temperature)
+        # detached: the graph of the passes without gradients guards on requires_grad, and would compile again
+        log_probs, lse = _COMPILED_LOG_PROBS["forward"](logits.detach(), targets, temperature)
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature = temperature
         return log_probs
@@ -225,7 +226,7 @@ class CompiledLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         logits, targets, lse = ctx.saved_tensors
-        return _COMPILED_LOG_PROBS["backward"](logits, targets, lse, grad, ctx.temperature), None, None
+        return _COMPILED_LOG_PROBS["backward"](logits.detach(), targets, lse, grad, ctx.temperature), None, None
 
 
 def compiled_log_probs(logits, targets, temperature):

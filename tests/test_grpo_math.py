@@ -464,6 +464,22 @@ def test_compiled_log_probs_equal_autograd(dtype):
         close(actual_grad, expected_grad, atol=1e-6 if dtype == torch.float32 else 1e-2)
 
 
+def test_compiled_log_probs_compile_one_forward_for_every_pass(monkeypatch):
+    """The update reuses the forward graph the passes without gradients compiled (logits that require
+    a gradient must not compile it again): a no-grad pass and then a training pass, forward and
+    backward, compile two graphs in all, the forward and the backward."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    monkeypatch.setattr(sharding, "_COMPILED_LOG_PROBS", {})
+    counters.clear()
+    logits, targets = torch.randn(6, 9), torch.tensor([0, 1, 2, 3, 4, 5])
+    with torch.no_grad():
+        sharding.compiled_log_probs(logits, targets, 0.7)
+    assert counters["stats"]["unique_graphs"] == 1
+    sharding.compiled_log_probs(logits.clone().requires_grad_(), targets, 0.7).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 2
+
+
 def test_chunked_log_probs_by_hand():
     """One token, V = 2, H = 1: W = [[1], [0]], h = ln 3, T = 1, so z = [ln 3, 0], p = [3/4, 1/4].
     log p_0 = ln(3/4) = -0.287682; H = -(3/4 ln 3/4 + 1/4 ln 1/4) = 0.562335.
