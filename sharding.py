@@ -173,9 +173,9 @@ def no_grad_compiled(fn, with_grad: bool = False):
     Qwen2.5-0.5B (docs/benchmarks.md): compiled, the no-grad log-prob passes ran at 37% MFU instead
     of 24%. The training forward + backward gains only once its micro-batches are large: at 12k
     tokens it waits on the CPU (Python, autograd, kernel launches) compiled or not; at 49k it ran at
-    38% compiled, where eager peaked at 23% (24k; its fp32 logits leave no room for 49k). Compiling
-    it costs 107-125 s of the first step on a fresh machine (49 s from inductor's cache), so it is a
-    choice, off by default."""
+    38% compiled, where eager peaked at 23-28% (24k). Compiling it costs about 30 s of the first step
+    on a fresh machine (107-125 s before the log-prob gradient was written by hand, `CompiledLogProbs`),
+    so it is a choice, off by default."""
     compiled = torch.compile(fn, dynamic=True)
 
     @functools.wraps(fn)

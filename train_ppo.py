@@ -134,7 +134,7 @@ class Args:
     compile_update: bool = field(default=False, metadata={
         "help": "compile the actor's and the critic's updates (forward and backward) too, where the two flags "
         "above compile: pays off with large micro-batches (--use_dynamic_bsz, --ppo_max_token_len_per_gpu 49152 on "
-        "an H200), costs about 2 minutes of compiling in the first step on a fresh machine (docs/benchmarks.md)"})
+        "an H200), costs compiling in step 1 (about 30 s for GRPO's actor on a fresh H200, docs/benchmarks.md)"})
     # reward
     custom_reward_function_path: str | None = field(default=None, metadata={"help": "a .py file"})
     custom_reward_function_name: str = field(default="compute_score", metadata={"help": "function in that file"})
