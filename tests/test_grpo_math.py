@@ -480,6 +480,14 @@ def test_compiled_log_probs_compile_one_forward_for_every_pass(monkeypatch):
     assert counters["stats"]["unique_graphs"] == 2
 
 
+def test_gpu_check_of_compiled_log_probs_runs_on_cpu():
+    """`make test-gpu`'s check of CompiledLogProbs at the real vocabulary, run here at a small shape: the
+    check itself works, and finds the two ways equal within its bounds."""
+    from tests.gpu.gpu_checks import compiled_log_probs_check
+    res = compiled_log_probs_check("cpu", tokens=64, vocab=1000)
+    assert res["compiled_log_probs_max_diff"] < 1e-3 and res["compiled_log_probs_grad_rel_diff"] < 1e-2
+
+
 def test_chunked_log_probs_by_hand():
     """One token, V = 2, H = 1: W = [[1], [0]], h = ln 3, T = 1, so z = [ln 3, 0], p = [3/4, 1/4].
     log p_0 = ln(3/4) = -0.287682; H = -(3/4 ln 3/4 + 1/4 ln 1/4) = 0.562335.

@@ -48,6 +48,26 @@ def varlen_attention_check(device):
                                                   for g, e in zip(grads, ref_grads))}
 
 
+def compiled_log_probs_check(device, tokens=16384, vocab=151936):
+    """sharding.CompiledLogProbs (--use_torch_compile's log-probs, their gradient written by hand) on bf16
+    logits of Qwen2.5's vocabulary, past inductor's 32-bit indexing (tokens x vocab > 2^31), against
+    autograd through the eager math: the log-probs, and the logits' gradient of an unevenly weighted sum."""
+    g = torch.Generator(device).manual_seed(0)
+    logits = (4 * torch.randn(tokens, vocab, generator=g, device=device)).bfloat16()
+    targets = torch.randint(0, vocab, (tokens,), generator=g, device=device)
+    coef = torch.randn(tokens, generator=g, device=device)
+    runs = []
+    for fn in (train_grpo.token_log_probs, sharding.compiled_log_probs):
+        x = logits.clone().requires_grad_()
+        log_probs = fn(x, targets, 0.7)
+        (log_probs * coef).sum().backward()
+        runs.append((log_probs.detach(), x.grad.float()))
+        del x, log_probs
+    (expected, expected_grad), (actual, actual_grad) = runs
+    return {"compiled_log_probs_max_diff": (actual - expected).abs().max().item(),
+            "compiled_log_probs_grad_rel_diff": ((actual_grad - expected_grad).norm() / expected_grad.norm()).item()}
+
+
 def fused_check(model, samples):
     """--use_fused_kernels in bf16 under FSDP2: log-probs, entropy and the gradients of each, from the
     output layer chunk by chunk (sharding.ChunkedLogProbs), against the logits path. Differences are
@@ -78,6 +98,8 @@ def main(model_path, out_path):
     device = torch.device("cuda", 0)
     res = {}
     res |= varlen_attention_check(device)
+    res |= compiled_log_probs_check(device)
+    torch.cuda.empty_cache()
     actor = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                  attn_implementation=sharding.PACKED_ATTENTION).to(device)
     sharding.apply_fsdp2(actor)
