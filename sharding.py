@@ -13,6 +13,9 @@
 - `export_hf` writes a folder that `transformers` and vLLM load directly.
 - `PACKED_ATTENTION` is an attention implementation for packed sequences (`--use_remove_padding`):
   flash attention over variable-length segments on GPU, so no (L, L) mask is ever built.
+- `compile_layers`, `no_grad_compiled` and `compiled_log_probs` are the torch.compile choices of the
+  scripts' speed flags; `compiled_log_probs` writes the log-probs' gradient by hand, so the update
+  reuses the kernel the passes without gradients compiled.
 - `fused_log_probs` makes the output layer return the log-probs of given tokens, chunk by chunk,
   so a training forward never holds the logits over the whole vocabulary (`--use_fused_kernels`).
 All ranks must call every function here (they are collectives); only rank 0 writes shared files.
