@@ -176,7 +176,7 @@ def no_grad_compiled(fn, with_grad: bool = False):
     Qwen2.5-0.5B (docs/benchmarks.md): compiled, the no-grad log-prob passes ran at 37% MFU instead
     of 24%. The training forward + backward gains only once its micro-batches are large: at 12k
     tokens it waits on the CPU (Python, autograd, kernel launches) compiled or not; at 49k it ran at
-    38% compiled, where eager peaked at 23-28% (24k). Compiling it costs about 30 s of the first step
+    38% compiled, where eager layers peaked at 23-28% (24k). Compiling it costs about 30 s of the first step
     on a fresh machine (107-125 s before the log-prob gradient was written by hand, `CompiledLogProbs`),
     so it is a choice, off by default."""
     compiled = torch.compile(fn, dynamic=True)

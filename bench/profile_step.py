@@ -11,9 +11,10 @@ each as TFLOP/s and MFU with the trainer's own FLOP count (train_grpo.phase_perf
 `eager` (no torch.compile), `logits` (--use_torch_compile: the log-prob / entropy math compiled),
 `all` (that and --compile_layers). Both compile the log-prob math in every pass (with its gradient
 by hand, sharding.CompiledLogProbs) and the rest only where it runs without gradients (the trainer's
-choice, see sharding.no_grad_compiled). `train` compiles as `all` does and the update's layers' forward and backward too
-(--compile_update); `fused` compiles as `all` does and computes the update's log-probs from the output
-layer chunk by chunk (--use_fused_kernels). A budget that runs out of memory prints as such.
+choice, see sharding.no_grad_compiled). `train` compiles as `all` does and the update's layers'
+forward and backward too (--compile_update); `fused` compiles as `all` does and computes the update's
+log-probs from the output layer chunk by chunk (--use_fused_kernels). A budget that runs out of
+memory prints as such.
 Per mode, one update micro-batch at the largest budget that fitted runs under the profiler: device
 time against host time says whether the GPU waits on Python. For the last mode, the operators that
 take the most device time in each pass are printed (and written to --out as profile_*.txt). On CPU
