@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from tests.tiny import make_tiny_tokenizer
 
+
 def free_port() -> int:
     """A TCP port free on this machine now, for a process group's MASTER_PORT."""
     with socket.socket() as s:
