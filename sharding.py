@@ -198,7 +198,7 @@ def _log_probs_backward(logits, targets, lse, grad, temperature):
     """dL/dlogits = (onehot(y) - softmax(logits / T)) * dL/dlog p_y / T, in logits' dtype: (K, V)."""
     p = (logits.float() / temperature - lse[:, None]).exp()
     hit = torch.arange(logits.shape[-1], device=logits.device) == targets[:, None]
-    return ((hit.float() - p) * (grad[:, None].float() / temperature)).to(logits.dtype)
+    return ((hit.float() - p) * (grad[:, None] / temperature)).to(logits.dtype)
 
 
 _COMPILED_LOG_PROBS = {}  # compiled on first use: one graph for the forward, one for the backward
