@@ -14,8 +14,8 @@
 - `PACKED_ATTENTION` is an attention implementation for packed sequences (`--use_remove_padding`):
   flash attention over variable-length segments on GPU, so no (L, L) mask is ever built.
 - `compile_layers`, `no_grad_compiled` and `compiled_log_probs` are the torch.compile choices of the
-  scripts' speed flags; `compiled_log_probs` writes the log-probs' gradient by hand, so the update
-  reuses the kernel the passes without gradients compiled.
+  scripts' speed flags; `compiled_log_probs` writes the gradient of the log-probs (and entropy) by
+  hand, so the update reuses the kernel the passes without gradients compiled.
 - `fused_log_probs` makes the output layer return the log-probs of given tokens, chunk by chunk,
   so a training forward never holds the logits over the whole vocabulary (`--use_fused_kernels`).
 All ranks must call every function here (they are collectives); only rank 0 writes shared files.
@@ -187,54 +187,73 @@ def no_grad_compiled(fn, with_grad: bool = False):
     return call
 
 
-def _log_probs_and_lse(logits, targets, temperature):
-    """log softmax(logits / T) at `targets`, and logsumexp(logits / T), in fp32: (K, V), (K,) -> (K,), (K,)."""
+def _log_probs_and_lse(logits, targets, temperature, with_entropy):
+    """log softmax(z) at `targets`, logsumexp(z) and, if asked, the entropy of softmax(z), for
+    z = logits / T in fp32: (K, V), (K,) -> (K,), (K,), (K,) or None. One read of the logits."""
     z = logits.float() / temperature
     lse = torch.logsumexp(z, -1)
-    return z.gather(-1, targets[:, None]).squeeze(-1) - lse, lse
+    log_p = z - lse[:, None]
+    entropy = -(log_p.exp() * log_p).sum(-1) if with_entropy else None  # a sum of terms >= 0: no cancellation
+    return z.gather(-1, targets[:, None]).squeeze(-1) - lse, lse, entropy
 
 
-def _log_probs_backward(logits, targets, lse, grad, temperature):
-    """dL/dlogits = (onehot(y) - softmax(logits / T)) * dL/dlog p_y / T, in logits' dtype: (K, V)."""
-    p = (logits.float() / temperature - lse[:, None]).exp()
-    hit = torch.arange(logits.shape[-1], device=logits.device) == targets[:, None]
-    return ((hit.float() - p) * (grad[:, None] / temperature)).to(logits.dtype)
+def _log_probs_backward(logits, targets, lse, entropy, grad_log_probs, grad_entropy, temperature):
+    """dL/dlogits = (g_lp (onehot(y) - p) - g_H p (log p + H)) / T for p = softmax(logits / T), in
+    logits' dtype: (K, V). A gradient that is None (an output no loss used) drops its term."""
+    log_p = logits.float() / temperature - lse[:, None]
+    p = log_p.exp()
+    dz = 0.0
+    if grad_log_probs is not None:
+        hit = torch.arange(logits.shape[-1], device=logits.device) == targets[:, None]
+        dz = (hit.float() - p) * grad_log_probs[:, None]
+    if grad_entropy is not None:
+        dz = dz - p * (log_p + entropy[:, None]) * grad_entropy[:, None]
+    return (dz / temperature).to(logits.dtype)
 
 
 _COMPILED_LOG_PROBS = {}  # compiled on first use: one graph for the forward, one for the backward
 
 
 class CompiledLogProbs(torch.autograd.Function):
-    """log softmax(logits / T) at the target tokens from whole logits (K, V) -> (K,) fp32 (the scripts'
-    `token_log_probs` under `--use_torch_compile`), through two compiled kernels and a gradient written
-    by hand: d log p_y / dz = onehot(y) - p for z = logits / T, p = softmax(z).
+    """log softmax(logits / T) at the target tokens from whole logits (K, V) -> (K,) fp32 and, with
+    `with_entropy`, that softmax's entropy (K,) fp32 (the scripts' `token_log_probs` under
+    `--use_torch_compile`), through two compiled kernels and a gradient written by hand: for
+    z = logits / T, p = softmax(z) and H = -sum_v p_v log p_v,
+        d log p_y / dz = onehot(y) - p        dH / dz = -p (log p + H)
+    (`ChunkedLogProbs` uses the same two, chunk by chunk).
 
     The forward is the graph the passes without gradients use (old and reference log-probs), so the
     update adds only the small backward graph to compile, where compiling the whole with autograd
     costs a joint graph (about 40 s of the first step on one H200; docs/benchmarks.md). It keeps the
-    bf16 logits and a logsumexp per row for the backward, where eager autograd keeps their fp32 copy.
+    bf16 logits and a logsumexp (and entropy) per row for the backward, where eager autograd keeps
+    their fp32 copy. torch.compile specializes on `with_entropy` and on which gradients are None:
+    each combination a run uses is one graph.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature):
+    def forward(ctx, logits, targets, temperature, with_entropy):
         if not _COMPILED_LOG_PROBS:
             _COMPILED_LOG_PROBS.update(forward=torch.compile(_log_probs_and_lse, dynamic=True),
                                        backward=torch.compile(_log_probs_backward, dynamic=True))
         # detached: the graph of the passes without gradients guards on requires_grad, and would compile again
-        log_probs, lse = _COMPILED_LOG_PROBS["forward"](logits.detach(), targets, temperature)
-        ctx.save_for_backward(logits, targets, lse)
+        log_probs, lse, entropy = _COMPILED_LOG_PROBS["forward"](logits.detach(), targets, temperature, with_entropy)
+        ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.temperature = temperature
-        return log_probs
+        ctx.set_materialize_grads(False)  # an output no loss uses (the entropy as a metric) gets None
+        return log_probs, entropy
 
     @staticmethod
-    def backward(ctx, grad):
-        logits, targets, lse = ctx.saved_tensors
-        return _COMPILED_LOG_PROBS["backward"](logits.detach(), targets, lse, grad, ctx.temperature), None, None
+    def backward(ctx, grad_log_probs, grad_entropy):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        grad = _COMPILED_LOG_PROBS["backward"](logits.detach(), targets, lse, entropy, grad_log_probs, grad_entropy,
+                                               ctx.temperature)
+        return grad, None, None, None
 
 
-def compiled_log_probs(logits, targets, temperature):
-    """`CompiledLogProbs` as a function: log softmax(logits / T) at `targets`, (K, V), (K,) -> (K,) fp32."""
-    return CompiledLogProbs.apply(logits, targets, temperature)
+def compiled_log_probs(logits, targets, temperature, with_entropy=False):
+    """`CompiledLogProbs` as a function: log softmax(logits / T) at `targets` and, if asked, its
+    entropy: (K, V), (K,) -> (K,) fp32, (K,) fp32 or None."""
+    return CompiledLogProbs.apply(logits, targets, temperature, with_entropy)
 
 
 def compile_layers(model: torch.nn.Module, with_grad: bool = False) -> torch.nn.Module:

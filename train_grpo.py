@@ -101,8 +101,8 @@ class Args:
     use_remove_padding: bool = field(default=True, metadata={"help": "pack sequences instead of padding"})
     # speed
     use_torch_compile: bool | None = field(default=None, metadata={
-        "help": "torch.compile the log-prob and entropy math over the vocabulary: the log-probs in every pass, the "
-        "entropy in the passes without gradients (default: on GPU)"})
+        "help": "torch.compile the log-prob and entropy math over the vocabulary, in every pass, its gradient "
+        "written by hand (default: on GPU)"})
     compile_layers: bool | None = field(default=None, metadata={
         "help": "torch.compile each decoder layer, in the passes without gradients (default: on GPU)"})
     use_fused_kernels: bool = field(default=False, metadata={
@@ -229,30 +229,25 @@ def entropy_from_logits(logits):
     return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
 
 
-def token_log_probs(logits, targets, temperature):
-    """log softmax(z / T) at the taken tokens, in fp32: logits (K, V), targets (K,) -> (K,). Gather
-    minus logsumexp: no (K, V) log-prob tensor is made."""
+def token_log_probs(logits, targets, temperature, with_entropy=False):
+    """log softmax(z / T) at the taken tokens and, if asked, the entropy of softmax(z / T), in fp32:
+    logits (K, V), targets (K,) -> (K,), (K,) or None. Gather minus logsumexp: no (K, V) log-prob
+    tensor is made."""
     z = logits.float() / temperature  # verl scales by T too
-    return z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
+    log_probs = z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
+    return log_probs, entropy_from_logits(z) if with_entropy else None
 
 
-def token_entropy(logits, temperature):
-    """Entropy of softmax(z / T) per row, in fp32: (K, V) -> (K,)."""
-    return entropy_from_logits(logits.float() / temperature)
+# The math over the (K, V) logits. Eagerly it runs as several kernels, each writing a (K, V) fp32
+# tensor; at a vocabulary of 152k that costs more than the lm_head matmul itself (on one H200, ~0.5 s
+# of a 2.45 s log-prob pass over a GRPO step's 1,280 responses; docs/benchmarks.md).
+# `--use_torch_compile` (verl's flag) swaps in sharding.CompiledLogProbs in every pass: the same math in
+# one compiled kernel that reads the bf16 logits once, its gradient written by hand.
+LOGITS_MATH = {"log_probs": token_log_probs}
 
 
-# The two passes over the (K, V) logits. Eagerly each runs as several kernels, each writing a (K, V)
-# fp32 tensor; at a vocabulary of 152k that costs more than the lm_head matmul itself (on one H200,
-# ~0.5 s of a 2.45 s log-prob pass over a GRPO step's 1,280 responses; docs/benchmarks.md).
-# `--use_torch_compile` (verl's flag) swaps in compiled versions, which read the bf16 logits once: the
-# log-probs in every pass (sharding.CompiledLogProbs: the same math, its gradient written by hand), the
-# entropy in the passes without gradients (sharding.no_grad_compiled); `--compile_update` in the update too.
-LOGITS_MATH = {"log_probs": token_log_probs, "entropy": token_entropy}
-
-
-def compile_logits_math(with_grad=False):
-    LOGITS_MATH.update(log_probs=sharding.compiled_log_probs,
-                       entropy=sharding.no_grad_compiled(token_entropy, with_grad))
+def compile_logits_math():
+    LOGITS_MATH.update(log_probs=sharding.compiled_log_probs)
 
 
 def gpu_default(flag, device):
@@ -302,11 +297,11 @@ def response_targets(samples, T, device):
     return ids, mask.float()
 
 
-def forward_log_probs(model, samples, temperature, packed, with_entropy, entropy_grad=True, fused=False):
-    """log pi(y_t | x, y_<t) of each response token, (b, T), and the entropy (b, T) if asked
-    (without a gradient unless `entropy_grad`: as a metric only, it needs no backward through the
-    softmax over the vocabulary). `fused` (--use_fused_kernels), where a gradient is recorded: both
-    from the output layer chunk by chunk (sharding.fused_log_probs), never the whole (K, V) logits."""
+def forward_log_probs(model, samples, temperature, packed, with_entropy=False, fused=False):
+    """log pi(y_t | x, y_<t) of each response token, (b, T), and the entropy (b, T) if asked (else
+    None), with a gradient where one is recorded. `fused` (--use_fused_kernels), where a gradient is
+    recorded: both from the output layer chunk by chunk (sharding.fused_log_probs), never the whole
+    (K, V) logits."""
     device = sharding.compute_device(model)  # not the parameters' under --param_offload
     batch = collate(samples, packed, device)
     rows, cols, b, T = batch.pop("unpack")
@@ -318,13 +313,9 @@ def forward_log_probs(model, samples, temperature, packed, with_entropy, entropy
         with sharding.fused_log_probs(model, select, targets, temperature) as head:
             model(**batch, use_cache=False)
         flat, flat_entropy = head["log_probs"], head["entropy"]
-        flat_entropy = flat_entropy if entropy_grad else flat_entropy.detach()
     else:
         logits = select(model(**batch, use_cache=False).logits)  # (K, V)
-        flat = LOGITS_MATH["log_probs"](logits, targets, temperature)
-        if with_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                flat_entropy = LOGITS_MATH["entropy"](logits if entropy_grad else logits.detach(), temperature)
+        flat, flat_entropy = LOGITS_MATH["log_probs"](logits, targets, temperature, with_entropy)
     log_probs = torch.zeros(b, T, device=device, dtype=flat.dtype).index_put((rows, cols), flat)
     entropy = None
     if with_entropy:
@@ -364,20 +355,25 @@ def micro_batches(samples, size, max_tokens=None):
 
 @torch.no_grad()
 def batched(forward, samples, micro, T, max_tokens=None):
-    """`forward` (a list of samples -> (b, T_b)) over a rank's sequences in micro-batches (same count
-    on every rank), gathered into one (N, T) in the order of `samples`."""
-    out = None
+    """`forward` (a list of samples -> a tuple of (b, T_b)) over a rank's sequences in micro-batches
+    (same count on every rank), each output gathered into one (N, T) in the order of `samples`."""
+    outs = None
     for idx in micro_batches(samples, micro, max_tokens):
-        x = forward([samples[i] for i in idx])
-        out = x.new_zeros(len(samples), T) if out is None else out
-        out[idx, :x.shape[1]] = x
-    return out
+        xs = forward([samples[i] for i in idx])
+        outs = outs or [x.new_zeros(len(samples), T) for x in xs]
+        for out, x in zip(outs, xs):
+            out[idx, :x.shape[1]] = x
+    return outs
 
 
-def batched_log_probs(model, samples, micro, temperature, packed, T, max_tokens=None):
-    """Log-probs (N, T) of a rank's sequences, in micro-batches."""
-    return batched(lambda s: forward_log_probs(model, s, temperature, packed, False)[0], samples, micro, T,
-                   max_tokens)
+def batched_log_probs(model, samples, micro, temperature, packed, T, max_tokens=None, with_entropy=False):
+    """Log-probs (N, T) of a rank's sequences, in micro-batches, and their entropy (N, T) if asked
+    (else None), from the same read of the logits."""
+    def forward(s):
+        log_probs, entropy = forward_log_probs(model, s, temperature, packed, with_entropy)
+        return (log_probs, entropy) if with_entropy else (log_probs,)
+    outs = batched(forward, samples, micro, T, max_tokens)
+    return outs[0], outs[1] if with_entropy else None
 
 
 def all_sum(*values, device):
@@ -706,7 +702,7 @@ def main(args):
                          "--experiment_name, or delete them")
     reward_fn = reward.load_reward_function(args.custom_reward_function_path, args.custom_reward_function_name)
     if gpu_default(args.use_torch_compile, device):
-        compile_logits_math(with_grad=args.compile_update)
+        compile_logits_math()
     random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)  # same init on every rank
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     data_kw = dict(tokenizer=tokenizer, max_prompt_length=args.max_prompt_length,
@@ -817,14 +813,20 @@ def main(args):
                                              device=device).reshape(len(checked), T)
             scores = torch.tensor([s for g in mine for s in g["scores"]], device=device)  # (N/world,)
 
-            # 3 old and reference log-probs, recomputed by the FSDP2 actor (the engine's are a check)
+            # 3 old and reference log-probs, recomputed by the FSDP2 actor (the engine's are a check); the
+            # policy's entropy as verl reports it, from the old pass (the update computes it only for a bonus)
             with timer("old_log_prob"):
-                old_log_probs = batched_log_probs(actor, samples, args.log_prob_micro_batch_size_per_gpu,
-                                                  args.temperature, packed, T, log_prob_tokens)
+                old_log_probs, entropy = batched_log_probs(actor, samples, args.log_prob_micro_batch_size_per_gpu,
+                                                           args.temperature, packed, T, log_prob_tokens,
+                                                           with_entropy=True)
+                n_tokens = all_sum(response_mask.sum().item(), device=device)[0]
+                entropy = agg_loss(entropy, response_mask, args.loss_agg_mode, n_tokens, len(samples) * world,
+                                   args.max_response_length)
+                metrics["actor/entropy"] = all_sum(entropy.item(), device=device)[0]
             if ref is not None:
                 with timer("ref"):
-                    ref_log_probs = batched_log_probs(ref, samples, args.log_prob_micro_batch_size_per_gpu,
-                                                      args.temperature, packed, T, log_prob_tokens)
+                    ref_log_probs, _ = batched_log_probs(ref, samples, args.log_prob_micro_batch_size_per_gpu,
+                                                         args.temperature, packed, T, log_prob_tokens)
 
             # 4 advantages: the score sits on the last response token; KL-in-reward spreads -kl_coef * KL
             with timer("adv"):
@@ -944,7 +946,7 @@ def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advant
     micro = args.ppo_micro_batch_size_per_gpu
     max_tokens = args.ppo_max_token_len_per_gpu if args.use_dynamic_bsz else None
     # running sums stay on the device: an .item() per micro-batch would stall the GPU each time
-    names = ["pg_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"]
+    names = ["pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"]
     if ref_log_probs is not None:  # as verl: no actor/kl_loss without the term (a 0 would read as no drift)
         names.append("kl_loss")
     sums = {k: torch.zeros((), device=device) for k in names}
@@ -958,8 +960,7 @@ def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advant
             for idx in micro_batches(samples[start:stop], micro, max_tokens):
                 mb = [start + i for i in idx]
                 log_probs, entropy = forward_log_probs(actor, [samples[i] for i in mb], args.temperature,
-                                                       args.use_remove_padding, with_entropy=True,
-                                                       entropy_grad=args.entropy_coeff != 0,
+                                                       args.use_remove_padding, with_entropy=args.entropy_coeff != 0,
                                                        fused=args.use_fused_kernels)
                 Tm = log_probs.shape[1]
                 mask, adv, old = response_mask[mb, :Tm], advantages[mb, :Tm], old_log_probs[mb, :Tm]
@@ -968,8 +969,7 @@ def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advant
                 pg_losses, stats = compute_policy_loss(old, log_probs, adv, mask, args.clip_ratio_low,
                                                        args.clip_ratio_high, args.clip_ratio_c)
                 pg_loss = agg_loss(pg_losses, **agg)
-                entropy_loss = agg_loss(entropy, **agg)
-                loss = pg_loss - args.entropy_coeff * entropy_loss if args.entropy_coeff else pg_loss
+                loss = pg_loss - args.entropy_coeff * agg_loss(entropy, **agg) if args.entropy_coeff else pg_loss
                 if ref_log_probs is not None:
                     kl_loss = agg_loss(kl_penalty(log_probs, ref_log_probs[mb, :Tm], args.kl_loss_type), **agg)
                     loss = loss + args.kl_loss_coef * kl_loss
@@ -978,7 +978,6 @@ def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advant
                 (loss * world).backward()
                 mini_loss += loss.detach()
                 sums["pg_loss"] += pg_loss.detach()
-                sums["entropy"] += entropy_loss.detach()
                 for k, v in stats.items():
                     sums[k] += v / tokens
             if not torch.isfinite(mini_loss):

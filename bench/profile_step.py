@@ -54,7 +54,7 @@ def log_prob_pass(model, samples, budget, device):
     sync(device)
     t = time.perf_counter()
     T = max(len(r) for _, r in samples)
-    train_grpo.batched_log_probs(model, samples, 8, 1.0, True, T, budget)
+    train_grpo.batched_log_probs(model, samples, 8, 1.0, True, T, budget, with_entropy=True)
     sync(device)
     return time.perf_counter() - t
 
@@ -65,8 +65,7 @@ def update_pass(model, samples, budget, device, fused=False):
     sync(device)
     t = time.perf_counter()
     for idx in train_grpo.micro_batches(samples, 8, budget):
-        log_probs, entropy = train_grpo.forward_log_probs(model, [samples[i] for i in idx], 1.0, True,
-                                                          with_entropy=True, entropy_grad=False, fused=fused)
+        log_probs, _ = train_grpo.forward_log_probs(model, [samples[i] for i in idx], 1.0, True, fused=fused)
         (-log_probs.sum() / 1e6).backward()
     sync(device)
     dt = time.perf_counter() - t
@@ -103,10 +102,9 @@ def host_and_device_ms(averages):
 
 def load(a, mode, device):
     """The policy as train_grpo.py loads it, with the torch.compile choices of `mode`."""
-    eager = dict(log_probs=train_grpo.token_log_probs, entropy=train_grpo.token_entropy)
-    train_grpo.LOGITS_MATH.update(eager)
+    train_grpo.LOGITS_MATH.update(log_probs=train_grpo.token_log_probs)  # eager
     if mode != "eager":
-        train_grpo.compile_logits_math(with_grad=mode == "train")
+        train_grpo.compile_logits_math()
     args = train_grpo.Args(model=a.model, enable_gradient_checkpointing=a.gradient_checkpointing,
                            compile_layers=mode in ("all", "train", "fused"), compile_update=mode == "train")
     return train_grpo.load_policy(a.model, device, True, False, args)

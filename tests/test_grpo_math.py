@@ -383,7 +383,7 @@ def log_prob_entropy_grads(m, samples):
 def test_compiled_layers_and_logits_math_equal_eager(model, monkeypatch):
     """--compile_layers and --use_torch_compile change kernels, not results: without gradients
     (where they compile) log-probs and entropy of packed batches of two shapes equal the eager ones;
-    with gradients the layers and the entropy run eagerly and the log-probs through their compiled
+    with gradients the layers run eagerly and the log-probs and entropy through their compiled
     forward and hand-written backward (sharding.CompiledLogProbs): the gradient equals the eager one."""
     import copy
 
@@ -416,7 +416,7 @@ def test_compile_update_compiles_the_backward_and_keeps_the_gradient(model, monk
     samples = make_samples(LENGTHS)
     expected, _ = log_prob_entropy_grads(model, samples)
     monkeypatch.setattr(train_grpo, "LOGITS_MATH", dict(train_grpo.LOGITS_MATH))
-    train_grpo.compile_logits_math(with_grad=True)
+    train_grpo.compile_logits_math()
     actual, log_probs = log_prob_entropy_grads(sharding.compile_layers(copy.deepcopy(model), with_grad=True), samples)
     nodes, seen = [log_probs.grad_fn], set()
     while nodes:  # walk the autograd graph
@@ -425,10 +425,10 @@ def test_compile_update_compiles_the_backward_and_keeps_the_gradient(model, monk
             seen.add(node)
             nodes += [n for n, _ in node.next_functions]
     names = [type(n).__name__ for n in seen]
-    assert "CompiledFunctionBackward" in names  # the layers (and the entropy's math)
-    assert "CompiledLogProbsBackward" in names  # the log-probs' hand-written backward
+    assert "CompiledFunctionBackward" in names  # the layers
+    assert "CompiledLogProbsBackward" in names  # the log-probs' and entropy's hand-written backward
     for a, e in zip(actual, expected):
-        close(a, e, atol=1e-5, rtol=1e-4)
+        close(a, e, atol=5e-5, rtol=1e-4)  # the entropy's gradient by hand: fp32 reordering
 
 
 def test_compiled_log_probs_by_hand():
@@ -436,48 +436,72 @@ def test_compiled_log_probs_by_hand():
     Target 0: log p_0 = -0.455746; target 1: log p_1 = -1.005052. The loss log p_0 + 2 log p_1 has
     d/dlogits = g (onehot - p) / T: row 0 [0.366025, -0.366025] / 2, row 1 2 [-0.633975, 0.633975] / 2."""
     logits = torch.tensor([[math.log(3), 0.0]] * 2, requires_grad=True)
-    log_probs = sharding.compiled_log_probs(logits, torch.tensor([0, 1]), 2.0)
+    log_probs, entropy = sharding.compiled_log_probs(logits, torch.tensor([0, 1]), 2.0)
+    assert entropy is None
     close(log_probs, [-0.455746, -1.005052], atol=1e-6)
     (log_probs * torch.tensor([1.0, 2.0])).sum().backward()
     close(logits.grad, [[0.183013, -0.183013], [-0.633975, 0.633975]], atol=1e-6)
 
 
+def test_compiled_entropy_by_hand():
+    """One row of logits [ln 3, 0] at T = 1 (ChunkedLogProbs' example): p = [3/4, 1/4], log p_0 = -0.287682,
+    H = 0.562335, dH/dz = -p (log p + H) = [-0.205990, 0.205990]. The loss log p_0 + 3 H has
+    d/dlogits = (onehot - p) + 3 dH/dz = [0.25 - 0.617970, -0.25 + 0.617970] = [-0.367970, 0.367970];
+    with the entropy unused (a metric), only the first term: [0.25, -0.25]."""
+    for weight, grad in ((3.0, [[-0.367970, 0.367970]]), (0.0, [[0.25, -0.25]])):
+        logits = torch.tensor([[math.log(3), 0.0]], requires_grad=True)
+        log_probs, entropy = sharding.compiled_log_probs(logits, torch.tensor([0]), 1.0, with_entropy=True)
+        close(log_probs, [-0.287682], atol=1e-6)
+        close(entropy, [0.562335], atol=1e-6)
+        (log_probs.sum() + weight * entropy.sum() if weight else log_probs.sum()).backward()
+        close(logits.grad, grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_log_probs_equal_autograd(dtype):
-    """The log-probs and the gradient of a loss that weighs them unevenly equal autograd through the
-    eager `token_log_probs`, for fp32 and bf16 logits (the gradient in the logits' dtype) and two shapes."""
+def test_compiled_log_probs_equal_autograd(dtype, with_entropy):
+    """The log-probs (and entropy) and the gradient of a loss that weighs them unevenly equal autograd
+    through the eager `token_log_probs`, for fp32 and bf16 logits (the gradient in the logits' dtype)
+    and two shapes."""
     g = torch.Generator().manual_seed(0)
     for K, V in ((7, 11), (13, 5)):
         logits = (3 * torch.randn(K, V, generator=g)).to(dtype)
         targets = torch.randint(0, V, (K,), generator=g)
-        coef = torch.randn(K, generator=g)
-        grads = []
+        coef, coef_entropy = torch.randn(K, generator=g), torch.randn(K, generator=g)
+        runs = []
         for fn in (token_log_probs, sharding.compiled_log_probs):
             x = logits.clone().requires_grad_()
-            out = fn(x, targets, 0.7)
-            assert out.dtype == torch.float32
-            (out * coef).sum().backward()
-            grads.append((out.detach(), x.grad))
-        (expected, expected_grad), (actual, actual_grad) = grads
+            log_probs, entropy = fn(x, targets, 0.7, with_entropy)
+            assert log_probs.dtype == torch.float32 and (entropy is None) != with_entropy
+            loss = (log_probs * coef).sum() + ((entropy * coef_entropy).sum() if with_entropy else 0)
+            loss.backward()
+            runs.append([log_probs.detach(), x.grad] + ([entropy.detach()] if with_entropy else []))
+        (expected, expected_grad, *expected_entropy), (actual, actual_grad, *actual_entropy) = runs
         close(actual, expected, atol=1e-5)
+        for a, e in zip(actual_entropy, expected_entropy):
+            close(a, e, atol=1e-5)
         assert actual_grad.dtype == dtype
-        close(actual_grad, expected_grad, atol=1e-6 if dtype == torch.float32 else 1e-2)
+        # eager's entropy, lse - sum_v p_v z_v, cancels digits the compiled -sum_v p_v log p_v keeps
+        close(actual_grad, expected_grad, atol=(1e-5 if with_entropy else 1e-6) if dtype == torch.float32 else 1e-2)
 
 
 def test_compiled_log_probs_compile_one_forward_for_every_pass(monkeypatch):
     """The update reuses the forward graph the passes without gradients compiled (logits that require
-    a gradient must not compile it again): a no-grad pass and then a training pass, forward and
-    backward, compile two graphs in all, the forward and the backward."""
+    a gradient must not compile it again). A step's passes, twice: old log-probs with the entropy,
+    reference log-probs, then a training pass, forward and backward, compile three graphs in all: the
+    forward with the entropy, the forward without, the backward."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     monkeypatch.setattr(sharding, "_COMPILED_LOG_PROBS", {})
     counters.clear()
-    logits, targets = torch.randn(6, 9), torch.tensor([0, 1, 2, 3, 4, 5])
-    with torch.no_grad():
-        sharding.compiled_log_probs(logits, targets, 0.7)
-    assert counters["stats"]["unique_graphs"] == 1
-    sharding.compiled_log_probs(logits.clone().requires_grad_(), targets, 0.7).sum().backward()
-    assert counters["stats"]["unique_graphs"] == 2
+    for K in (6, 9):  # another micro-batch size: dynamic shapes, no new graph
+        logits, targets = torch.randn(K, 11), torch.arange(K)
+        with torch.no_grad():
+            sharding.compiled_log_probs(logits, targets, 0.7, with_entropy=True)
+            sharding.compiled_log_probs(logits, targets, 0.7)
+        assert counters["stats"]["unique_graphs"] == (2 if K == 6 else 3)  # the two forwards
+        sharding.compiled_log_probs(logits.clone().requires_grad_(), targets, 0.7)[0].sum().backward()
+        assert counters["stats"]["unique_graphs"] == 3  # and the backward
 
 
 def test_gpu_check_of_compiled_log_probs_runs_on_cpu():
@@ -486,6 +510,7 @@ def test_gpu_check_of_compiled_log_probs_runs_on_cpu():
     from tests.gpu.gpu_checks import compiled_log_probs_check
     res = compiled_log_probs_check("cpu", tokens=64, vocab=1000)
     assert res["compiled_log_probs_max_diff"] < 1e-3 and res["compiled_log_probs_grad_rel_diff"] < 1e-2
+    assert res["compiled_entropy_max_diff"] < 1e-3
 
 
 def test_chunked_log_probs_by_hand():
@@ -563,14 +588,16 @@ def test_fused_log_probs_equal_the_logits_path(model, packed):
     logits path; the output layer is the model's own again afterwards."""
     samples = make_samples(LENGTHS)
 
-    def grads(fused, entropy_grad):
-        log_probs, entropy = forward_log_probs(model, samples, 0.7, packed, True, entropy_grad, fused=fused)
-        (log_probs.sum() + (entropy.sum() if entropy_grad else 0)).backward()
-        out = [log_probs.detach(), entropy.detach()] + [p.grad.clone() for p in model.parameters()]
+    def grads(fused, with_entropy):
+        log_probs, entropy = forward_log_probs(model, samples, 0.7, packed, with_entropy, fused=fused)
+        assert (entropy is None) != with_entropy
+        (log_probs.sum() + (entropy.sum() if with_entropy else 0)).backward()
+        out = [log_probs.detach()] + ([entropy.detach()] if with_entropy else [])
+        out += [p.grad.clone() for p in model.parameters()]
         model.zero_grad()
         return out
-    for entropy_grad in (True, False):
-        for a, e in zip(grads(True, entropy_grad), grads(False, entropy_grad)):
+    for with_entropy in (True, False):
+        for a, e in zip(grads(True, with_entropy), grads(False, with_entropy)):
             close(a, e, atol=1e-5)
     with torch.no_grad():
         a = forward_log_probs(model, samples, 0.7, packed, True, fused=True)

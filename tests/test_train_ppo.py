@@ -36,8 +36,9 @@ METRICS = [
     "timing_s/update_critic", "timing_s/update_actor", "timing_s/update_weights", "timing_s/step",
     "timing_s/since_launch", "perf/throughput", "perf/mfu/actor", "rollout/logprob_gap_mean",
 ]
-ACTOR_ONLY = [k for k in METRICS if k.startswith("actor/") and "reward_kl" not in k] + ["timing_s/update_actor",
-                                                                                      "perf/mfu/actor"]
+# what only the actor's update logs (the policy's entropy comes from the old log-prob pass, every step)
+ACTOR_ONLY = [k for k in METRICS if k.startswith("actor/") and "reward_kl" not in k and k != "actor/entropy"] + [
+    "timing_s/update_actor", "perf/mfu/actor"]
 STEP2_ONLY = ["timing_s/testing", "val-core/openai/gsm8k/reward/mean@1"]
 
 

@@ -49,22 +49,24 @@ def varlen_attention_check(device):
 
 
 def compiled_log_probs_check(device, tokens=16384, vocab=151936):
-    """sharding.CompiledLogProbs (--use_torch_compile's log-probs, their gradient written by hand) on bf16
-    logits of Qwen2.5's vocabulary, past inductor's 32-bit indexing (tokens x vocab > 2^31), against
-    autograd through the eager math: the log-probs, and the logits' gradient of an unevenly weighted sum."""
+    """sharding.CompiledLogProbs (--use_torch_compile's log-probs and entropy, their gradient written by
+    hand) on bf16 logits of Qwen2.5's vocabulary, past inductor's 32-bit indexing (tokens x vocab >
+    2^31), against autograd through the eager math: the log-probs, the entropy, and the logits'
+    gradient of an unevenly weighted sum of both."""
     g = torch.Generator(device).manual_seed(0)
     logits = (4 * torch.randn(tokens, vocab, generator=g, device=device)).bfloat16()
     targets = torch.randint(0, vocab, (tokens,), generator=g, device=device)
-    coef = torch.randn(tokens, generator=g, device=device)
+    coef, coef_entropy = (torch.randn(tokens, generator=g, device=device) for _ in range(2))
     runs = []
     for fn in (train_grpo.token_log_probs, sharding.compiled_log_probs):
         x = logits.clone().requires_grad_()
-        log_probs = fn(x, targets, 0.7)
-        (log_probs * coef).sum().backward()
-        runs.append((log_probs.detach(), x.grad.float()))
-        del x, log_probs
-    (expected, expected_grad), (actual, actual_grad) = runs
+        log_probs, entropy = fn(x, targets, 0.7, with_entropy=True)
+        ((log_probs * coef).sum() + (entropy * coef_entropy).sum()).backward()
+        runs.append((log_probs.detach(), entropy.detach(), x.grad.float()))
+        del x, log_probs, entropy
+    (expected, expected_entropy, expected_grad), (actual, actual_entropy, actual_grad) = runs
     return {"compiled_log_probs_max_diff": (actual - expected).abs().max().item(),
+            "compiled_entropy_max_diff": (actual_entropy - expected_entropy).abs().max().item(),
             "compiled_log_probs_grad_rel_diff": ((actual_grad - expected_grad).norm() / expected_grad.norm()).item()}
 
 

@@ -47,6 +47,7 @@ def test_engine_on_gpu(tmp_path):
     # the log-probs' compiled kernels (Triton here) against the eager math, both in fp32 from the same bf16
     # logits; the gradients both rounded to bf16
     assert res["compiled_log_probs_max_diff"] < 1e-3 and res["compiled_log_probs_grad_rel_diff"] < 1e-2
+    assert res["compiled_entropy_max_diff"] < 1e-3
     assert res["offloaded_log_prob_max_diff"] < 1e-3  # the same bf16 computation, on shards kept on the CPU
     assert res["freed_by_sleep_gib"] > 1.0
     # the pool the sleeping engine released is what torch keeps counting: without it, the allocated
