@@ -118,7 +118,7 @@ def main(args):
     # parity: the FSDP2 actor (bf16 compute) re-scores 64 sampled responses
     samples = [(p, s.token_ids) for p, o in zip(prompts[:64], out[0][:64]) for s in o[:1]]
     T = max(len(r) for _, r in samples)
-    lp = train_grpo.batched_log_probs(actor, samples, 8, 1.0, True, T)
+    lp, _ = train_grpo.batched_log_probs(actor, samples, 8, 1.0, True, T)
     rlp = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for o in out[0][:64] for s in o[:1]], device=device)
     _, mask = train_grpo.response_targets(samples, T, device)
     res["logprob_gap_bf16"] = logprob_gap(lp, rlp, mask)

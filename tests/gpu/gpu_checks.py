@@ -125,7 +125,7 @@ def main(model_path, out_path):
     sampled = engine.generate(prompts, n=4, temperature=1.0, max_tokens=32, seed=0)
     samples = [(p, s.token_ids) for p, o in zip(prompts, sampled) for s in o]
     T = max(len(r) for _, r in samples)
-    lp = train_grpo.batched_log_probs(actor, samples, 8, 1.0, True, T)
+    lp, _ = train_grpo.batched_log_probs(actor, samples, 8, 1.0, True, T)
     rlp = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for o in sampled for s in o], device=device)
     res["logprob_gap_bf16"] = logprob_gap(lp, rlp, train_grpo.response_targets(samples, T, device)[1])
     res |= fused_check(actor, samples)
@@ -135,7 +135,7 @@ def main(model_path, out_path):
                                                      attn_implementation=sharding.PACKED_ATTENTION)
     offloaded.load_state_dict({n: t.cpu() for n, t in sharding.iter_full_tensors(actor)}, strict=False)
     sharding.apply_fsdp2(offloaded, cpu_offload=True)
-    off_lp = train_grpo.batched_log_probs(offloaded, samples, 8, 1.0, True, T)
+    off_lp, _ = train_grpo.batched_log_probs(offloaded, samples, 8, 1.0, True, T)
     res["offloaded_log_prob_max_diff"] = (off_lp - lp).abs().max().item()
     del offloaded
     sharding.reshard(actor)  # the no-grad forward above left the root's bf16 copies in place
