@@ -211,7 +211,7 @@ def _log_probs_backward(logits, targets, lse, entropy, grad_log_probs, grad_entr
     return (dz / temperature).to(logits.dtype)
 
 
-_COMPILED_LOG_PROBS = {}  # compiled on first use: one graph for the forward, one for the backward
+_COMPILED_LOG_PROBS = {}  # compiled on first use: the forward and the backward kernel
 
 
 class CompiledLogProbs(torch.autograd.Function):
