@@ -119,6 +119,7 @@ def test_two_steps_log_every_metric_and_change_the_policy(run, assets, request):
     out = request.getfixturevalue(run)
     m = metrics_by_step(out)
     assert sorted(m) == [0, 1, 2]  # 0: validation before training
+    vocab = json.loads((Path(assets["model"]) / "config.json").read_text())["vocab_size"]
     for step, names in ((1, METRICS), (2, METRICS + STEP2_ONLY)):
         missing = [k for k in names if k not in m[step]]
         assert not missing, f"step {step} lacks {missing}"
@@ -129,6 +130,7 @@ def test_two_steps_log_every_metric_and_change_the_policy(run, assets, request):
         assert m[step]["actor/grad_norm"] > 0
         assert 0 < m[step]["response_length/mean"] <= m[step]["response_length/max"] <= 16
         assert m[step]["critic/score/min"] <= m[step]["critic/score/mean"] <= m[step]["critic/score/max"]
+        assert 0 < m[step]["actor/entropy"] < math.log(vocab)  # a token mean (the old pass's), below uniform's
     assert any(m[s]["critic/score/max"] > m[s]["critic/score/min"] for s in (1, 2))  # some group had signal
     # --lr_warmup_steps 2: step 1 trains at (0 + 1) / 2 * LR, step 2 at LR
     assert m[1]["actor/lr"] == pytest.approx(LR / 2) and m[2]["actor/lr"] == pytest.approx(LR)
