@@ -224,9 +224,11 @@ def kl_penalty(log_probs, ref_log_probs, kl_type):
 
 
 def entropy_from_logits(logits):
-    """H = logsumexp(z) - sum_v softmax(z)_v z_v, per position: logits (..., V) -> (...)."""
-    probs = torch.softmax(logits, -1)
-    return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
+    """H = logsumexp(z) - sum_v softmax(z)_v z_v, per position: logits (..., V) -> (...). At most one
+    (..., V) tensor beside the logits: logsumexp's, then the softmax (the sum is a dot product per
+    position, einsum, with no product tensor)."""
+    lse = torch.logsumexp(logits, -1)
+    return lse - torch.einsum("...v,...v->...", torch.softmax(logits, -1), logits)
 
 
 def token_log_probs(logits, targets, temperature, with_entropy=False):
