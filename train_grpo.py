@@ -110,9 +110,10 @@ class Args:
         "(tokens, vocabulary) logits: less memory for one more matmul of the output layer (verl's flag; here "
         "for the passes with a gradient only)"})
     compile_update: bool = field(default=False, metadata={
-        "help": "compile the actor's update (forward and backward) too, where the two flags above compile: pays "
-        "off with large micro-batches (--use_dynamic_bsz, --ppo_max_token_len_per_gpu 49152 on an H200), costs "
-        "about 30 s more compiling in the first step on a fresh machine (docs/benchmarks.md)"})
+        "help": "compile the decoder layers in the actor's update (forward and backward) too, where --compile_layers "
+        "compiles (--use_torch_compile already covers the update's log-prob math): pays off with large "
+        "micro-batches (--use_dynamic_bsz, --ppo_max_token_len_per_gpu 49152 on an H200), costs about 30 s more "
+        "compiling in the first step on a fresh machine (docs/benchmarks.md)"})
     # reward
     custom_reward_function_path: str | None = field(default=None, metadata={"help": "a .py file"})
     custom_reward_function_name: str = field(default="compute_score", metadata={"help": "function in that file"})
@@ -554,8 +555,8 @@ def check_args(args, world_size):
              f"--max_response_length = {longest}")
     need(args.kl_loss_coef is None or args.use_kl_loss, "--kl_loss_coef is set but --use_kl_loss is false")
     need(args.kl_coef is None or args.use_kl_in_reward, "--kl_coef is set but --use_kl_in_reward is false")
-    need(not args.compile_update or args.use_torch_compile is not False or args.compile_layers is not False,
-         "--compile_update compiles the update where --use_torch_compile and --compile_layers compile; both are false")
+    need(not args.compile_update or args.compile_layers is not False,
+         "--compile_update compiles the update's decoder layers, which --compile_layers false leaves eager; drop one")
     need(args.truncation in ("error", "left", "right"), "--truncation must be error, left or right")
     need(args.reward_errors in ("raise", "zero"), "--reward_errors must be raise or zero")
     need(args.rollout_engine in ("vllm", "hf"), "--rollout_engine must be vllm or hf")

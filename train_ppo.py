@@ -132,9 +132,10 @@ class Args:
         "(tokens, vocabulary) logits: less memory for one more matmul of the output layer (verl's flag; here "
         "for the passes with a gradient only)"})
     compile_update: bool = field(default=False, metadata={
-        "help": "compile the actor's and the critic's updates (forward and backward) too, where the two flags "
-        "above compile: pays off with large micro-batches (--use_dynamic_bsz, --ppo_max_token_len_per_gpu 49152 on "
-        "an H200), costs compiling in step 1 (about 30 s for GRPO's actor on a fresh H200, docs/benchmarks.md)"})
+        "help": "compile the decoder layers in the actor's and the critic's updates (forward and backward) too, where "
+        "--compile_layers compiles (--use_torch_compile already covers the actor's log-prob math): pays off with "
+        "large micro-batches (--use_dynamic_bsz, --ppo_max_token_len_per_gpu 49152 on an H200), costs compiling in "
+        "step 1 (about 30 s for GRPO's actor on a fresh H200, docs/benchmarks.md)"})
     # reward
     custom_reward_function_path: str | None = field(default=None, metadata={"help": "a .py file"})
     custom_reward_function_name: str = field(default="compute_score", metadata={"help": "function in that file"})
@@ -683,8 +684,8 @@ def check_args(args, world_size):
     need(args.kl_ctrl_type in ("fixed", "adaptive"), "--kl_ctrl_type must be fixed or adaptive")
     need(args.kl_penalty in ("kl", "k1", "k2", "k3", "low_var_kl", "abs", "mse"),
          "--kl_penalty must be kl (= k1), k2, k3, low_var_kl, abs or mse")
-    need(not args.compile_update or args.use_torch_compile is not False or args.compile_layers is not False,
-         "--compile_update compiles the update where --use_torch_compile and --compile_layers compile; both are false")
+    need(not args.compile_update or args.compile_layers is not False,
+         "--compile_update compiles the update's decoder layers, which --compile_layers false leaves eager; drop one")
     need(args.truncation in ("error", "left", "right"), "--truncation must be error, left or right")
     need(args.reward_errors in ("raise", "zero"), "--reward_errors must be raise or zero")
     need(args.rollout_engine in ("vllm", "hf"), "--rollout_engine must be vllm or hf")

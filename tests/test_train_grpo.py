@@ -326,8 +326,8 @@ def test_bad_input_fails_at_start_up(case, assets):
         args += ["--use_dynamic_bsz", "--ppo_max_token_len_per_gpu", "100"]
         expected = ["--ppo_max_token_len_per_gpu 100 must hold the longest sequence"]
     elif case == "compile_update":
-        args += ["--compile_update", "true", "--use_torch_compile", "false", "--compile_layers", "false"]
-        expected = ["--compile_update compiles the update where --use_torch_compile and --compile_layers compile"]
+        args += ["--compile_update", "true", "--compile_layers", "false"]
+        expected = ["--compile_update compiles the update's decoder layers, which --compile_layers false leaves eager"]
     elif case == "missing_column":
         bad = assets["tmp"] / "no_reward_model.parquet"
         write_parquet_without(assets["data"] / "train.parquet", bad, "reward_model")
