@@ -822,10 +822,10 @@ def main(args):
                 old_log_probs, entropy = batched_log_probs(actor, samples, args.log_prob_micro_batch_size_per_gpu,
                                                            args.temperature, packed, T, log_prob_tokens,
                                                            with_entropy=True)
-                n_tokens = all_sum(response_mask.sum().item(), device=device)[0]
-                entropy = agg_loss(entropy, response_mask, args.loss_agg_mode, n_tokens, len(samples) * world,
-                                   args.max_response_length)
-                metrics["actor/entropy"] = all_sum(entropy.item(), device=device)[0]
+                n_tokens = all_sum(response_mask.sum().item(), device=device)[0]  # response tokens, all ranks
+                mean_entropy = agg_loss(entropy, response_mask, args.loss_agg_mode, n_tokens, len(samples) * world,
+                                        args.max_response_length)
+                metrics["actor/entropy"] = all_sum(mean_entropy.item(), device=device)[0]
             if ref is not None:
                 with timer("ref"):
                     ref_log_probs, _ = batched_log_probs(ref, samples, args.log_prob_micro_batch_size_per_gpu,
@@ -863,7 +863,6 @@ def main(args):
 
         # 7 log, validate, save
         lengths = torch.tensor([len(s.token_ids) for g in groups for s in g["samples"]], dtype=torch.float)
-        n_tokens = all_sum(response_mask.sum().item(), device=device)[0]
         prompt_tokens = sum(len(g["example"].prompt_ids) for g in groups) * n
         seq_len = (prompt_tokens + lengths.sum().item()) / len(lengths)
         t = timer.metrics
