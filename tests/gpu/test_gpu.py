@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -25,15 +24,8 @@ def model_path():
     return random_qwen25_05b("/tmp/models/random-qwen2.5-0.5b")
 
 
-def test_engine_on_gpu(tmp_path):
-    out = tmp_path / "res.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
-                           os.path.join(ROOT, "tests/gpu/gpu_checks.py"), model_path(), str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
-    res = json.loads(out.read_text())
-    print(json.dumps(res, indent=1))
-    assert res["varlen_flash_kernel_ran"]
+def assert_device_independent(res):
+    """What gpu_checks.py finds on a GPU and on CPU alike (tests/test_gpu_scripts.py runs it on CPU)."""
     assert res["varlen_attention_max_diff"] < 5e-2  # bf16 inputs against an fp32 reference
     assert res["varlen_attention_grad_rel_diff"] < 2e-2
     assert res["perturbed_changes_output"]
@@ -44,10 +36,24 @@ def test_engine_on_gpu(tmp_path):
     # temperature is off by nats), and gradients within bf16 rounding
     assert res["fused_log_prob_mean_diff"] < 1e-2 and res["fused_entropy_mean_diff"] < 1e-2
     assert res["fused_log_prob_grad_rel_diff"] < 2e-2 and res["fused_entropy_grad_rel_diff"] < 2e-2
-    # the log-probs' compiled kernels (Triton here) against the eager math, both in fp32 from the same bf16
-    # logits; the gradients both rounded to bf16
+    # the log-probs' compiled kernels (Triton on a GPU) against the eager math, both in fp32 from the same
+    # bf16 logits; the gradients both rounded to bf16
     assert res["compiled_log_probs_max_diff"] < 1e-3 and res["compiled_log_probs_grad_rel_diff"] < 1e-2
     assert res["compiled_entropy_max_diff"] < 1e-3
+    assert res["checkpoint_roundtrip_max_diff"] == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_engine_on_gpu(tmp_path):
+    out = tmp_path / "res.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
+                           os.path.join(ROOT, "tests/gpu/gpu_checks.py"), model_path(), str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = json.loads(out.read_text())
+    print(json.dumps(res, indent=1))
+    assert_device_independent(res)
+    assert res["varlen_flash_kernel_ran"]
     assert res["offloaded_log_prob_max_diff"] < 1e-3  # the same bf16 computation, on shards kept on the CPU
     assert res["freed_by_sleep_gib"] > 1.0
     # the pool the sleeping engine released is what torch keeps counting: without it, the allocated
@@ -55,7 +61,6 @@ def test_engine_on_gpu(tmp_path):
     assert res["unbacked_gib_awake"] == 0 and res["unbacked_gib_asleep"] > 1.0
     assert res["unbacked_gib_asleep"] <= res["freed_by_sleep_gib"] + 0.5  # sleeping released the pool
     assert 0 <= res["allocated_less_unbacked_gib"] <= res["used_asleep_gib"]
-    assert res["checkpoint_roundtrip_max_diff"] == 0.0
     assert res["engine_compilation"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # no torch.compile
     # the export, loaded by vLLM in a fresh process (configured as the engine, so that bf16 rounding in
     # different kernels cannot tell the two apart), generates what the engine generated
