@@ -33,6 +33,7 @@ METRICS = [
     "timing_s/update_weights", "timing_s/step", "timing_s/since_launch",
     "perf/throughput", "perf/mfu/actor", "perf/max_memory_allocated_gb", "rollout/logprob_gap_mean",
     "perf/mfu/old_log_prob", "perf/tflops/actor", "perf/weight_sync_gb_s", "perf/peak_tflops",
+    "rollout/gen_rounds", "rollout/all_equal_groups",
 ]
 STEP2_ONLY = ["timing_s/testing", "val-core/openai/gsm8k/reward/mean@1", "val-core/openai/gsm8k/reward_flexible/mean@1"]
 REWARD = '''
@@ -131,6 +132,7 @@ def test_two_steps_log_every_metric_and_change_the_policy(run, assets, request):
         assert 0 < m[step]["response_length/mean"] <= m[step]["response_length/max"] <= 16
         assert m[step]["critic/score/min"] <= m[step]["critic/score/mean"] <= m[step]["critic/score/max"]
         assert 0 < m[step]["actor/entropy"] < math.log(vocab)  # a token mean (the old pass's), below uniform's
+        assert m[step]["rollout/gen_rounds"] == 1 and 0 <= m[step]["rollout/all_equal_groups"] <= 1
     assert any(m[s]["critic/score/max"] > m[s]["critic/score/min"] for s in (1, 2))  # some group had signal
     # --lr_warmup_steps 2: step 1 trains at (0 + 1) / 2 * LR, step 2 at LR
     assert m[1]["actor/lr"] == pytest.approx(LR / 2) and m[2]["actor/lr"] == pytest.approx(LR)
@@ -143,6 +145,34 @@ def test_two_steps_log_every_metric_and_change_the_policy(run, assets, request):
         if w.dim() == 2:  # the export is bf16: compare at that precision; ~half the entries move past rounding
             changed = (w.to(final[name].dtype) != final[name]).float().mean().item()
             assert changed > 0.1, f"{name}: only {changed:.1%} of entries changed"
+
+
+BINARY_REWARD = '''
+import zlib
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """1 or 0 by a checksum of the response: the two responses of a group tie about half the time."""
+    return float(zlib.crc32(solution_str.encode()) % 2)
+'''
+
+
+def test_filter_groups_trains_only_on_groups_with_signal(assets, tmp_path):
+    (tmp_path / "binary.py").write_text(BINARY_REWARD)
+    out = tmp_path / "run"
+    proc = launch(flags(assets, out, "hf", 2, "disable", "--filter_groups", "--custom_reward_function_path",
+                        str(tmp_path / "binary.py"), "--val_before_train", "false", "--test_freq", "-1",
+                        "--export_final", "false"))
+    assert proc.returncode == 0, proc.output[-6000:]
+    m = metrics_by_step(out)
+    for step in (1, 2):
+        # groups of 2 responses scored 0 or 1: a kept group holds one of each, so the batch's mean is 1/2
+        assert m[step]["critic/score/mean"] == 0.5
+        # every round generates 4 groups; the rounds before the last kept fewer than 4, so the all-equal
+        # ones were at least 1 per earlier round, and the last round kept at least 1
+        rounds, share = m[step]["rollout/gen_rounds"], m[step]["rollout/all_equal_groups"]
+        assert (rounds - 1) / (4 * rounds) <= share <= 1 - 1 / (4 * rounds)
+    assert max(m[s]["rollout/gen_rounds"] for s in (1, 2)) > 1  # the filter dropped groups and generated more
 
 
 def test_resume_replays_the_uninterrupted_run(assets, vllm_run):
