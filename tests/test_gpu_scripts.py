@@ -20,7 +20,8 @@ from tests.tiny_model import free_port, make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
-              pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU: make test-gpu, make bench-engine")]
+              pytest.mark.skipif(torch.cuda.is_available(),
+                                 reason="the CPU path; on a GPU: make test-gpu, make bench-engine")]
 
 
 @pytest.fixture(scope="module")
