@@ -787,7 +787,7 @@ def main(args):
             # 1 generate: the engine (awake, holding the latest weights) samples n responses per prompt
             # 2 score: rule or user reward per response, in the same call
             with timer("gen"):
-                groups, n_errors, rounds, n_generated, n_all_equal = [], 0, 0, 0, 0
+                groups, n_errors, rounds, n_all_equal = [], 0, 0, 0
                 while len(groups) < B:
                     rounds += 1
                     new, errs = rollout(engine, next_prompts(), args, tokenizer, reward_fn,
@@ -795,7 +795,7 @@ def main(args):
                                         temperature=args.temperature)
                     n_errors += errs
                     equal = [len(set(g["scores"])) == 1 for g in new]  # zero advantage: nothing to learn
-                    n_generated, n_all_equal = n_generated + len(new), n_all_equal + sum(equal)
+                    n_all_equal += sum(equal)
                     if args.filter_groups:  # DAPO's dynamic sampling: keep the others, generate more
                         new = [g for g, e in zip(new, equal) if not e]
                         if rounds >= args.max_num_gen_batches and len(groups) + len(new) < B:
@@ -883,7 +883,7 @@ def main(args):
             if any(g["example"].data_source in reward.SCORERS for g in groups) else float("nan"),
             "rollout/logprob_gap_mean": logprob_gap(old_log_probs[checked], rollout_log_probs,
                                                     response_mask[checked]),
-            "rollout/gen_rounds": float(rounds), "rollout/all_equal_groups": n_all_equal / n_generated,
+            "rollout/gen_rounds": float(rounds), "rollout/all_equal_groups": n_all_equal / (rounds * B),
             "reward/errors": float(n_errors),
             "actor/lr": lr,
             "perf/throughput": (prompt_tokens + lengths.sum().item()) / t["timing_s/step"] / world,
