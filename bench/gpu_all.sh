@@ -11,6 +11,8 @@
 #   bash bench/gpu_all.sh ppo       # 3 PPO steps of the quickstart shape + the per-phase table
 #   bash bench/gpu_all.sh learn     # GRPO on GSM8K, resumable across calls (LEARN_DIR), + the per-phase table
 #                                   # and the results table (bench/learn_table.py)
+#   bash bench/gpu_all.sh learn_filter  # the same, with --filter_groups (DAPO's dynamic sampling) from step
+#                                   # FILTER_FROM (default 8) on
 #   bash bench/gpu_all.sh val       # --val_only of the base model: strict/flexible greedy mean@1, pass@5
 #                                   # (VAL_ARGS="--val_n 16": pass@16, the room GRPO has to sharpen into)
 #   bash bench/gpu_all.sh profile   # log-prob and update passes, eager, compiled and fused: TFLOP/s, host vs device, kernels,
@@ -27,6 +29,7 @@
 # MODEL (a Hugging Face folder), DATA (GSM8K parquet folder), PY (python), LIMIT (seconds per part),
 # RUNS (a folder that outlives one call, for checkpoints), LEARN_DIR (the learning run's folder, default
 # RUNS/learn), LEARN_ARGS (extra flags of the learning run; a flag given twice takes the last value),
+# FILTER_FROM (the step from which learn_filter filters),
 # VAL_ARGS (extra flags of the val part), QWEN3_ARGS (of the qwen3 part, e.g. --use_fused_kernels).
 set -u
 OUT=${OUT:-bench_out}
@@ -37,6 +40,7 @@ LIMIT=${LIMIT:-540}
 RUNS=${RUNS:-/tmp/runs}
 LEARN_DIR=${LEARN_DIR:-$RUNS/learn}
 LEARN_ARGS=${LEARN_ARGS:-}
+FILTER_FROM=${FILTER_FROM:-8}
 VAL_ARGS=${VAL_ARGS:-}
 QWEN3_ARGS=${QWEN3_ARGS:-}
 NPROC=${NPROC:-2}
@@ -49,6 +53,12 @@ data="--train_files $DATA/train.parquet --val_files $DATA/test.parquet"
 # the random-init Qwen3-1.7B of the qwen3 and fused parts, written once per machine (bench/random_model.py)
 qwen3=/tmp/models/random-qwen3-1.7b
 make_qwen3="$PY bench/random_model.py --shape qwen3-1.7b --tokenizer $MODEL --out $qwen3"
+# the learning run: the tutorial's GRPO settings with response length 512, lr 5e-6 and the update compiled at
+# the micro-batches where that pays (docs/benchmarks.md); stopped by LIMIT, resumed by the next call
+learn="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data \
+       --use_dynamic_bsz --ppo_max_token_len_per_gpu 49152 --log_prob_max_token_len_per_gpu 65536 \
+       --compile_update true --max_response_length 512 --actor_lr 5e-6 --total_training_steps 32 \
+       --test_freq 4 --save_freq 4 --export_final false --resume_mode auto --default_local_dir $LEARN_DIR"
 steps="--total_training_steps 3 --val_before_train false --test_freq -1 --export_final false --resume_mode disable"
 # one run of the tutorial's shape, afresh in RUNS/NAME, metrics copied to OUT: GPUS TP SCRIPT NAME [FLAGS]
 scale_run() {
@@ -71,13 +81,11 @@ for part in "${parts[@]}"; do
     ppo)    cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_ppo.py --model $MODEL $data $steps $fast \
                  --critic_ppo_max_token_len_per_gpu 32768 --default_local_dir $OUT/ppo \
                  && $PY bench/phase_table.py $OUT/ppo/metrics.jsonl $plain" ;;
-    # the tutorial's GRPO settings with response length 512, lr 5e-6 and the update compiled at the
-    # micro-batches where that pays (docs/benchmarks.md); stopped by LIMIT, resumed by the next call
-    learn)  cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data \
-                 --use_dynamic_bsz --ppo_max_token_len_per_gpu 49152 --log_prob_max_token_len_per_gpu 65536 \
-                 --compile_update true --max_response_length 512 --actor_lr 5e-6 --total_training_steps 32 \
-                 --test_freq 4 --save_freq 4 --export_final false --resume_mode auto --default_local_dir $LEARN_DIR \
-                 $LEARN_ARGS" ;;
+    learn)  cmd="$learn $LEARN_ARGS" ;;
+    # the same, with DAPO's dynamic sampling (--filter_groups) from step FILTER_FROM on, resumed from that
+    # step's checkpoint: the base model's strict reward has almost no groups with signal to keep before
+    learn_filter) cmd="$learn $LEARN_ARGS --total_training_steps $FILTER_FROM --save_freq $FILTER_FROM && \
+                       $learn $LEARN_ARGS --filter_groups" ;;
     val)    cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data --val_only \
                  --val_n 5 --val_temperature 1.0 --max_response_length 512 --default_local_dir $OUT/val \
                  --resume_mode disable $VAL_ARGS" ;;
@@ -115,18 +123,18 @@ for part in "${parts[@]}"; do
     profile) cmd="TORCH_LOGS=recompiles $PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT \
                   --modes eager all train fused --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 \
                   --repeats 2" ;;
-    *) echo "unknown part $part (test, engine, sync, grpo, grpo_compiled, ppo, learn, val, profile, qwen3, scale,"\
-            "fused, scale_1, scale_1_warm, scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
+    *) echo "unknown part $part (test, engine, sync, grpo, grpo_compiled, ppo, learn, learn_filter, val, profile,"\
+            "qwen3, scale, fused, scale_1, scale_1_warm, scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
   esac
   echo "== $part: $cmd"
   # SIGTERM to the workers at LIMIT: a training run checkpoints the step in progress and stops
   # (sharding.StopRequest) within the 45 s before everything is killed (bench/limit.sh)
   bash bench/limit.sh "$LIMIT" 45 "$cmd" > "$OUT/$part.log" 2>&1
   echo "== $part: exit $?"
-  if [ "$part" = learn ] && [ -f "$LEARN_DIR/metrics.jsonl" ]; then
+  if [ "${part%_filter}" = learn ] && [ -f "$LEARN_DIR/metrics.jsonl" ]; then
     cp "$LEARN_DIR/metrics.jsonl" "$OUT/learn_metrics.jsonl"
-    $PY bench/phase_table.py "$OUT/learn_metrics.jsonl" $plain >> "$OUT/learn.log" 2>&1
-    $PY bench/learn_table.py "$OUT/learn_metrics.jsonl" >> "$OUT/learn.log" 2>&1
+    $PY bench/phase_table.py "$OUT/learn_metrics.jsonl" $plain >> "$OUT/$part.log" 2>&1
+    $PY bench/learn_table.py "$OUT/learn_metrics.jsonl" >> "$OUT/$part.log" 2>&1
   fi
   grep -v -E "it/s\]|it/s$|^INFO|^\(|^WARNING" "$OUT/$part.log" | tail -25
 done
