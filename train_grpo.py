@@ -787,13 +787,14 @@ def main(args):
             # 1 generate: the engine (awake, holding the latest weights) samples n responses per prompt
             # 2 score: rule or user reward per response, in the same call
             with timer("gen"):
-                groups, n_errors, rounds, n_all_equal = [], 0, 0, 0
+                groups, n_errors, rounds, n_all_equal, gen_tokens = [], 0, 0, 0, 0
                 while len(groups) < B:
                     rounds += 1
                     new, errs = rollout(engine, next_prompts(), args, tokenizer, reward_fn,
                                         seed=hash((args.seed, step, rounds, engine.dp_rank)) % 2**31, n=n,
                                         temperature=args.temperature)
                     n_errors += errs
+                    gen_tokens += sum(len(s.token_ids) for g in new for s in g["samples"])  # kept or not
                     equal = [len(set(g["scores"])) == 1 for g in new]  # zero advantage: nothing to learn
                     n_all_equal += sum(equal)
                     if args.filter_groups:  # DAPO's dynamic sampling: keep the others, generate more
@@ -887,7 +888,7 @@ def main(args):
             "reward/errors": float(n_errors),
             "actor/lr": lr,
             "perf/throughput": (prompt_tokens + lengths.sum().item()) / t["timing_s/step"] / world,
-            "perf/gen_tokens_per_s": lengths.sum().item() / t["timing_s/gen"],
+            "perf/gen_tokens_per_s": gen_tokens / t["timing_s/gen"],
             "perf/max_memory_allocated_gb": max([v for k, v in t.items() if k.startswith("perf/max_memory")],
                                                 default=0.0),
             "training/global_step": step, "training/epoch": epoch,

@@ -172,6 +172,12 @@ def test_filter_groups_trains_only_on_groups_with_signal(assets, tmp_path):
         # ones were at least 1 per earlier round, and the last round kept at least 1
         rounds, share = m[step]["rollout/gen_rounds"], m[step]["rollout/all_equal_groups"]
         assert (rounds - 1) / (4 * rounds) <= share <= 1 - 1 / (4 * rounds)
+        # the generation rate counts every round's tokens, the dropped groups' too: 8 responses of at most
+        # 16 tokens a round, of which the 8 kept ones are response_length/mean long on average
+        generated = m[step]["perf/gen_tokens_per_s"] * m[step]["timing_s/gen"]
+        kept = m[step]["response_length/mean"] * 8
+        assert kept * (1 - 1e-6) <= generated <= rounds * 8 * 16 * (1 + 1e-6)
+        assert rounds == 1 or generated > kept
     assert max(m[s]["rollout/gen_rounds"] for s in (1, 2)) > 1  # the filter dropped groups and generated more
 
 
