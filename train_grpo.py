@@ -92,7 +92,8 @@ class Args:
     use_kl_in_reward: bool = field(default=False, metadata={"help": "subtract kl_coef * KL from the reward"})
     kl_coef: float | None = field(default=None, metadata={"help": "default 0.001 when use_kl_in_reward"})
     filter_groups: bool = field(default=False, metadata={"help": "DAPO dynamic sampling: drop all-equal groups"})
-    max_num_gen_batches: int = field(default=10, metadata={"help": "filter_groups: generation rounds per step"})
+    max_num_gen_batches: int = field(default=10, metadata={
+        "help": "filter_groups: generation rounds per step at most; 0: no limit (verl's meaning)"})
     # memory
     enable_gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations"})
     param_offload: bool = field(default=False, metadata={"help": "actor params, grads and optimizer on CPU"})
@@ -799,11 +800,12 @@ def main(args):
                     n_all_equal += sum(equal)
                     if args.filter_groups:  # DAPO's dynamic sampling: keep the others, generate more
                         new = [g for g, e in zip(new, equal) if not e]
-                        if rounds >= args.max_num_gen_batches and len(groups) + len(new) < B:
+                        if 0 < args.max_num_gen_batches <= rounds and len(groups) + len(new) < B:
                             raise RuntimeError(
                                 f"step {step}: --filter_groups kept {len(groups) + len(new)} of {B} groups after "
                                 f"{rounds} generation rounds (--max_num_gen_batches); all-equal scores dominate: "
-                                "check the reward, raise --rollout_n or --max_num_gen_batches")
+                                "check the reward, raise --rollout_n or --max_num_gen_batches, or train without "
+                                "--filter_groups until the reward varies and resume with it")
                     groups += new
                 groups = groups[:B]
                 engine.sleep()

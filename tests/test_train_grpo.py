@@ -160,9 +160,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 def test_filter_groups_trains_only_on_groups_with_signal(assets, tmp_path):
     (tmp_path / "binary.py").write_text(BINARY_REWARD)
     out = tmp_path / "run"
-    proc = launch(flags(assets, out, "hf", 2, "disable", "--filter_groups", "--custom_reward_function_path",
-                        str(tmp_path / "binary.py"), "--val_before_train", "false", "--test_freq", "-1",
-                        "--export_final", "false"))
+    filtered = ("--filter_groups", "--custom_reward_function_path", str(tmp_path / "binary.py"),
+                "--val_before_train", "false", "--test_freq", "-1", "--export_final", "false")
+    # 0: as many rounds as it takes (verl's meaning)
+    proc = launch(flags(assets, out, "hf", 2, "disable", *filtered, "--max_num_gen_batches", "0"))
     assert proc.returncode == 0, proc.output[-6000:]
     m = metrics_by_step(out)
     for step in (1, 2):
@@ -179,6 +180,9 @@ def test_filter_groups_trains_only_on_groups_with_signal(assets, tmp_path):
         assert kept * (1 - 1e-6) <= generated <= rounds * 8 * 16 * (1 + 1e-6)
         assert rounds == 1 or generated > kept
     assert max(m[s]["rollout/gen_rounds"] for s in (1, 2)) > 1  # the filter dropped groups and generated more
+    # the step that needed a second round stops at a limit of one, and says which flag to change
+    proc = launch(flags(assets, tmp_path / "limited", "hf", 2, "disable", *filtered, "--max_num_gen_batches", "1"))
+    assert proc.returncode != 0 and "after 1 generation rounds (--max_num_gen_batches)" in proc.output
 
 
 def test_resume_replays_the_uninterrupted_run(assets, vllm_run):
