@@ -6,9 +6,9 @@ outcome supervision). The policy is updated with PPO's clipped surrogate (Schulm
 eq. 7) plus a KL penalty to a frozen reference model added to the loss (verl's `use_kl_loss`,
 k3 = `low_var_kl` by default). No critic. Variants behind flags: Dr.GRPO (Liu et al. 2025,
 `--norm_adv_by_std_in_grpo false`, `--loss_agg_mode seq-mean-token-sum-norm`), DAPO's
-clip-higher and dynamic sampling (Yu et al. 2025, `--clip_ratio_high`, `--filter_groups`) and
-dual-clip (Ye et al. 2020, `--clip_ratio_c`). Left out: reward models (rule and user functions
-only), multi-turn rollouts, sequence parallelism.
+clip-higher and dynamic sampling (Yu et al. 2025, `--clip_ratio_high`, `--filter_groups`,
+`--gen_batch_size`) and dual-clip (Ye et al. 2020, `--clip_ratio_c`). Left out: reward models
+(rule and user functions only), multi-turn rollouts, sequence parallelism.
 
 Run: torchrun --nproc_per_node=8 train_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct
 Shapes: B prompts, n samples per prompt, N = B*n sequences, T response tokens, V vocabulary.
@@ -94,6 +94,8 @@ class Args:
     filter_groups: bool = field(default=False, metadata={"help": "DAPO dynamic sampling: drop all-equal groups"})
     max_num_gen_batches: int = field(default=10, metadata={
         "help": "filter_groups: generation rounds per step at most; 0: no limit (verl's meaning)"})
+    gen_batch_size: int = field(default=0, metadata={
+        "help": "filter_groups: prompts per generation round (DAPO: 3 x train_batch_size); 0: train_batch_size"})
     # memory
     enable_gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations"})
     param_offload: bool = field(default=False, metadata={"help": "actor params, grads and optimizer on CPU"})
@@ -541,6 +543,10 @@ def check_args(args, world_size):
     need(args.rollout_n > 1, "--rollout_n must be > 1: GRPO compares responses within a group")
     need(args.train_batch_size % world_size == 0,
          f"--train_batch_size {args.train_batch_size} must be divisible by the number of GPUs {world_size}")
+    need(args.gen_batch_size in (0, args.train_batch_size) or args.filter_groups,
+         "--gen_batch_size only applies with --filter_groups: without it a step trains on every prompt it generates")
+    need(args.gen_batch_size >= 0 and args.gen_batch_size % world_size == 0,
+         f"--gen_batch_size {args.gen_batch_size} must be 0 or a multiple of the number of GPUs {world_size}")
     need(args.ppo_mini_batch_size <= args.train_batch_size,
          f"--ppo_mini_batch_size {args.ppo_mini_batch_size} must not exceed --train_batch_size {args.train_batch_size}")
     need(args.ppo_mini_batch_size * args.rollout_n % world_size == 0,
@@ -713,9 +719,11 @@ def main(args):
                    filter_overlong_prompts=args.filter_overlong_prompts, truncation=args.truncation)
     val = load_rl_dataset(args.val_files.split(","), **data_kw) if args.test_freq > 0 or args.val_only else None
     train = None if args.val_only else load_rl_dataset(args.train_files.split(","), **data_kw)
-    if train is not None and len(train) < args.train_batch_size:
+    G = args.gen_batch_size or args.train_batch_size  # prompts per generation round
+    if train is not None and len(train) < max(args.train_batch_size, G):
+        flag = "--gen_batch_size" if G > args.train_batch_size else "--train_batch_size"
         raise SystemExit(f"{os.path.basename(__file__)}: {args.train_files} holds {len(train)} usable prompts, "
-                         f"fewer than --train_batch_size {args.train_batch_size}")
+                         f"fewer than {flag} {max(args.train_batch_size, G)}")
     steps_per_epoch = len(train) // args.train_batch_size if train else 0
     total_steps = args.total_training_steps or steps_per_epoch * args.total_epochs
 
@@ -732,6 +740,9 @@ def main(args):
     if resume:
         state = sharding.load_checkpoint(resume, {"actor": actor}, {"actor": optimizer}, {"actor": scheduler})
         step, epoch, batch_idx = state["global_step"], state["epoch"], state["batch_idx"]
+        # batch_idx counts rounds of the saved --gen_batch_size; with another, go on from the first round
+        # that starts past the prompts already used this epoch
+        batch_idx = -(-batch_idx * state.get("gen_batch_size", args.train_batch_size) // G)
         if rank == 0:
             print(f"resumed from {resume} (step {step})", flush=True)
     if step >= total_steps and not args.val_only:
@@ -772,10 +783,10 @@ def main(args):
 
     def next_prompts():
         nonlocal epoch, batch_idx
-        order = batch_order(len(train), B, epoch, args.seed)
+        order = batch_order(len(train), G, epoch, args.seed)
         if batch_idx >= len(order):
             epoch, batch_idx = epoch + 1, 0
-            order = batch_order(len(train), B, epoch, args.seed)
+            order = batch_order(len(train), G, epoch, args.seed)
         batch_idx += 1
         return [train[i] for i in order[batch_idx - 1]]
 
@@ -886,7 +897,7 @@ def main(args):
             if any(g["example"].data_source in reward.SCORERS for g in groups) else float("nan"),
             "rollout/logprob_gap_mean": logprob_gap(old_log_probs[checked], rollout_log_probs,
                                                     response_mask[checked]),
-            "rollout/gen_rounds": float(rounds), "rollout/all_equal_groups": n_all_equal / (rounds * B),
+            "rollout/gen_rounds": float(rounds), "rollout/all_equal_groups": n_all_equal / (rounds * G),
             "reward/errors": float(n_errors),
             "actor/lr": lr,
             "perf/throughput": (prompt_tokens + lengths.sum().item()) / t["timing_s/step"] / world,
@@ -908,7 +919,8 @@ def main(args):
         if (args.save_freq > 0 and step % args.save_freq == 0) or last_step or stopping:
             with Timer(metrics, device)("save_checkpoint"):
                 sharding.save_checkpoint(args.default_local_dir, step, {"actor": actor}, {"actor": optimizer},
-                                         {"actor": scheduler}, {"epoch": epoch, "batch_idx": batch_idx},
+                                         {"actor": scheduler},
+                                         {"epoch": epoch, "batch_idx": batch_idx, "gen_batch_size": G},
                                          keep_last=args.keep_last_checkpoints)
             # one during the checkpoint: the run stops now, the checkpoint holds this step
             stopping = stopping or (not last_step and stop.agreed(device))

@@ -29,7 +29,8 @@
 # MODEL (a Hugging Face folder), DATA (GSM8K parquet folder), PY (python), LIMIT (seconds per part),
 # RUNS (a folder that outlives one call, for checkpoints), LEARN_DIR (the learning run's folder, default
 # RUNS/learn), LEARN_ARGS (extra flags of the learning run; a flag given twice takes the last value),
-# FILTER_FROM (the step from which learn_filter filters),
+# FILTER_FROM (the step from which learn_filter filters), FILTER_ARGS (flags of its filtering part only, such as
+# --gen_batch_size 768),
 # VAL_ARGS (extra flags of the val part), QWEN3_ARGS (of the qwen3 part, e.g. --use_fused_kernels).
 set -u
 OUT=${OUT:-bench_out}
@@ -41,6 +42,7 @@ RUNS=${RUNS:-/tmp/runs}
 LEARN_DIR=${LEARN_DIR:-$RUNS/learn}
 LEARN_ARGS=${LEARN_ARGS:-}
 FILTER_FROM=${FILTER_FROM:-8}
+FILTER_ARGS=${FILTER_ARGS:-}
 VAL_ARGS=${VAL_ARGS:-}
 QWEN3_ARGS=${QWEN3_ARGS:-}
 NPROC=${NPROC:-2}
@@ -85,7 +87,7 @@ for part in "${parts[@]}"; do
     # the same, with DAPO's dynamic sampling (--filter_groups) from step FILTER_FROM on, resumed from that
     # step's checkpoint: the base model's strict reward has almost no groups with signal to keep before
     learn_filter) cmd="$learn $LEARN_ARGS --total_training_steps $FILTER_FROM --save_freq $FILTER_FROM && \
-                       $learn $LEARN_ARGS --filter_groups" ;;
+                       $learn $LEARN_ARGS --filter_groups $FILTER_ARGS" ;;
     val)    cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data --val_only \
                  --val_n 5 --val_temperature 1.0 --max_response_length 512 --default_local_dir $OUT/val \
                  --resume_mode disable $VAL_ARGS" ;;

@@ -321,6 +321,9 @@ def test_check_args_accepts_a_good_config_and_fills_defaults():
     (dict(kl_coef=0.01), 2, "--kl_coef is set but --use_kl_in_reward is false"),
     (dict(rollout_engine="sglang"), 2, "--rollout_engine"),
     (dict(resume_mode="/no/such/global_step_3"), 2, "--resume_mode"),
+    (dict(gen_batch_size=16), 2, "--gen_batch_size only applies with --filter_groups"),
+    (dict(gen_batch_size=6, filter_groups=True), 4, "--gen_batch_size 6 must be 0 or a multiple of the number of GPUs"),
+    (dict(gen_batch_size=-8, filter_groups=True), 2, "--gen_batch_size -8 must be 0 or a multiple"),
 ])
 def test_check_args_names_the_flag(kw, world, flag):
     with pytest.raises(SystemExit, match=flag):

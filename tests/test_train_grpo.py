@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import sharding
+import train_grpo
 from tests.tiny_model import free_port, make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,6 +184,47 @@ def test_filter_groups_trains_only_on_groups_with_signal(assets, tmp_path):
     # the step that needed a second round stops at a limit of one, and says which flag to change
     proc = launch(flags(assets, tmp_path / "limited", "hf", 2, "disable", *filtered, "--max_num_gen_batches", "1"))
     assert proc.returncode != 0 and "after 1 generation rounds (--max_num_gen_batches)" in proc.output
+
+
+def test_gen_batch_size_generates_rounds_of_that_many_prompts(assets, tmp_path):
+    # the binary reward, also writing down which train prompt (extra_info's index) each response answers
+    def reward_file(name):
+        log = tmp_path / f"{name}.prompts"
+        (tmp_path / f"{name}.py").write_text(BINARY_REWARD + f"""
+
+_score = compute_score
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    with open({str(log)!r}, "a") as f:
+        f.write(str(extra_info["index"]) + "\\n")
+    return _score(data_source, solution_str, ground_truth, extra_info)
+""")
+        return tmp_path / f"{name}.py", log
+
+    quiet = ("--val_before_train", "false", "--test_freq", "-1", "--export_final", "false")
+    out = tmp_path / "run"
+    first, first_log = reward_file("first")  # 2 steps of 4 prompts, no filter: prompts 0-7 of the epoch's order
+    proc = launch(flags(assets, out, "hf", 2, "disable", "--custom_reward_function_path", str(first), *quiet))
+    assert proc.returncode == 0, proc.output[-6000:]
+    second, second_log = reward_file("second")  # resumed with the filter, rounds of 8 prompts
+    proc = launch(flags(assets, out, "hf", 4, "auto", "--custom_reward_function_path", str(second), "--filter_groups",
+                        "--gen_batch_size", "8", "--max_num_gen_batches", "0", *quiet))
+    assert proc.returncode == 0, proc.output[-6000:]
+    m = metrics_by_step(out)
+    order = train_grpo.batch_order(24, 1, 0, train_grpo.Args.seed)  # the epoch's shuffle, one prompt at a time
+    order = [i for (i,) in order]
+    first_prompts = [int(x) for x in first_log.read_text().split()]
+    assert sorted(first_prompts) == sorted(order[:8] * 2)  # 2 responses per prompt
+    prompts = [int(x) for x in second_log.read_text().split()]
+    rounds = [int(m[s]["rollout/gen_rounds"]) for s in (3, 4)]
+    assert len(prompts) == sum(rounds) * 8 * 2  # every round generated 8 prompts x 2 responses
+    # the first round after the resume takes the next 8 prompts of the epoch: none of those already used
+    assert sorted(prompts[:16]) == sorted(order[8:16] * 2)
+    for step, r in zip((3, 4), rounds):
+        assert m[step]["critic/score/mean"] == 0.5  # the kept groups: one 0 and one 1 each
+        # all-equal groups of the step's r rounds of 8: the rounds before the last kept at most 3 in all
+        assert max(0, (r - 1) * 8 - 3) / (8 * r) <= m[step]["rollout/all_equal_groups"] <= 1 - 4 / (8 * r)
 
 
 def test_resume_replays_the_uninterrupted_run(assets, vllm_run):
