@@ -126,7 +126,8 @@ for part in "${parts[@]}"; do
                   --modes eager all train fused --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 \
                   --repeats 2" ;;
     *) echo "unknown part $part (test, engine, sync, grpo, grpo_compiled, ppo, learn, learn_filter, val, profile,"\
-            "qwen3, scale, fused, scale_1, scale_1_warm, scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
+            "qwen3, scale, fused, scale_1, scale_1_warm, scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2,"\
+            "scale_ppo, scale_table)"; exit 2 ;;
   esac
   echo "== $part: $cmd"
   # SIGTERM to the workers at LIMIT: a training run checkpoints the step in progress and stops
