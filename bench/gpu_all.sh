@@ -85,9 +85,11 @@ for part in "${parts[@]}"; do
                  && $PY bench/phase_table.py $OUT/ppo/metrics.jsonl $plain" ;;
     learn)  cmd="$learn $LEARN_ARGS" ;;
     # the same, with DAPO's dynamic sampling (--filter_groups) from step FILTER_FROM on, resumed from that
-    # step's checkpoint: the base model's strict reward has almost no groups with signal to keep before
+    # step's checkpoint: the base model's strict reward has almost no groups with signal to keep before.
+    # A first part that LIMIT stopped earlier (it exits 0, checkpointed) is resumed by the next call instead
     learn_filter) cmd="$learn $LEARN_ARGS --total_training_steps $FILTER_FROM --save_freq $FILTER_FROM && \
-                       $learn $LEARN_ARGS --filter_groups $FILTER_ARGS" ;;
+                       { [ \$(cat $LEARN_DIR/latest_checkpointed_iteration.txt) -lt $FILTER_FROM ] || \
+                       $learn $LEARN_ARGS --filter_groups $FILTER_ARGS; }" ;;
     val)    cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data --val_only \
                  --val_n 5 --val_temperature 1.0 --max_response_length 512 --default_local_dir $OUT/val \
                  --resume_mode disable $VAL_ARGS" ;;
