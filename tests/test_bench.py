@@ -87,7 +87,8 @@ def test_host_profile_sorts_own_time_by_part(capsys):
     assert bench_engine.part_of(site + "vllm/v1/core/sched/scheduler.py", "schedule").startswith("scheduler")
     assert bench_engine.part_of(site + "vllm/v1/core/kv_cache_manager.py", "allocate_slots").startswith("scheduler")
     assert bench_engine.part_of(site + "vllm/v1/engine/output_processor.py", "process_outputs").startswith("engine")
-    assert bench_engine.part_of(site + "vllm/v1/worker/gpu_model_runner.py", "_update_states").startswith("model runner")
+    runner = site + "vllm/v1/worker/gpu_model_runner.py"
+    assert bench_engine.part_of(runner, "_update_states").startswith("model runner")
     assert bench_engine.part_of(site + "vllm/config/vllm.py", "__post_init__") == "other vLLM"
     assert bench_engine.part_of("~", "<built-in method torch._C._nn.linear>").startswith("torch built-ins")
     assert bench_engine.part_of("~", "<method 'tolist' of 'torch._C.TensorBase' objects>").startswith("torch")
