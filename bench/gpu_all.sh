@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, each with a time limit, logs and results under $OUT (default bench_out):
 #   bash bench/gpu_all.sh test      # make test-gpu: the engine's checks with NCCL, bf16, level-2 sleep
-#   bash bench/gpu_all.sh engine    # bench_engine: plain vLLM vs ours, sync, sleep/wake, memory, parity
+#   bash bench/gpu_all.sh engine    # bench_engine: plain vLLM vs ours, sync, sleep/wake, memory, parity, and
+#                                   # the host's time during generation by part of vLLM (--profile)
 #   bash bench/gpu_all.sh sync      # bench_engine without the plain vLLM run (ours, sync, sleep/wake, parity)
 #   bash bench/gpu_all.sh grpo      # 3 GRPO steps of the tutorial shape + the per-phase table
 #   bash bench/gpu_all.sh grpo_compiled  # 5 GRPO steps, update compiled, 49k/64k-token micro-batches
@@ -76,7 +77,8 @@ for part in "${parts[@]}"; do
   case $part in
     test)   cmd="GPU_TEST_MODEL=$MODEL $PY -m pytest tests/gpu -q -s" ;;
     engine) cmd="$PY bench/bench_engine.py --plain --model $MODEL --out $OUT && \
-                 $PY -m torch.distributed.run --nproc_per_node=1 bench/bench_engine.py --model $MODEL --out $OUT" ;;
+                 $PY -m torch.distributed.run --nproc_per_node=1 bench/bench_engine.py --model $MODEL --out $OUT \
+                 --profile 20" ;;
     sync)   cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/bench_engine.py --model $MODEL --out $OUT" ;;
     grpo)   cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data $steps $fast \
                  --default_local_dir $OUT/grpo && $PY bench/phase_table.py $OUT/grpo/metrics.jsonl $plain" ;;
