@@ -105,7 +105,7 @@ def used_bytes():
 
 
 def host_cpu():
-    """The host's CPU model and logical core count: the engine's rate follows the CPU (see --profile)."""
+    """The host's CPU model and logical core count: the engine's rate can depend on them (see --profile)."""
     try:
         name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
@@ -127,8 +127,11 @@ def part_of(path: str, name: str) -> str:
     for fragment, part in PARTS:
         if fragment in path:
             return part
-    if path == "~":  # a built-in: torch's ops and launches (and waits on the GPU), or Python's own
-        return "torch built-ins: ops, launches, waits on the GPU" if "torch" in name else "Python built-ins"
+    if path == "~":  # a built-in: a torch call that waits for the GPU's results, torch's other ops, or Python's own
+        if "torch" not in name:
+            return "Python built-ins"
+        waits = any(w in name for w in ("'tolist'", "'item'", "'cpu'", "synchronize"))
+        return "torch: waits for results (tolist, item, cpu, sync)" if waits else "torch: ops and launches"
     return "other Python"
 
 

@@ -90,8 +90,11 @@ def test_host_profile_sorts_own_time_by_part(capsys):
     runner = site + "vllm/v1/worker/gpu_model_runner.py"
     assert bench_engine.part_of(runner, "_update_states").startswith("model runner")
     assert bench_engine.part_of(site + "vllm/config/vllm.py", "__post_init__") == "other vLLM"
-    assert bench_engine.part_of("~", "<built-in method torch._C._nn.linear>").startswith("torch built-ins")
-    assert bench_engine.part_of("~", "<method 'tolist' of 'torch._C.TensorBase' objects>").startswith("torch")
+    assert bench_engine.part_of("~", "<built-in method torch._C._nn.linear>") == "torch: ops and launches"
+    waits = "torch: waits for results (tolist, item, cpu, sync)"
+    assert bench_engine.part_of("~", "<method 'tolist' of 'torch._C.TensorBase' objects>") == waits
+    assert bench_engine.part_of("~", "<method 'synchronize' of 'torch._C._CudaEventBase' objects>") == waits
+    assert bench_engine.part_of("~", "<method 'item' of 'torch._C.TensorBase' objects>") == waits
     assert bench_engine.part_of("~", "<built-in method builtins.len>") == "Python built-ins"
     assert bench_engine.part_of("/work/rollout.py", "generate") == "other Python"
 
