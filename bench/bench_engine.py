@@ -39,10 +39,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import sharding  # noqa: E402
-from rollout import VLLMEngine, logprob_gap  # noqa: E402
+from rollout import ON_CPU, VLLMEngine, logprob_gap  # noqa: E402
 
 GPU = torch.cuda.is_available()
-ENGINE_ON_CPU = {"dtype": "float32", "enforce_eager": True}  # as the CPU engine tests run vLLM
 
 
 def prompts_for(model_path, count, seed=0):
@@ -76,7 +75,7 @@ def plain_vllm(args):
     """Standalone vLLM as a user would run it (own process, no sleep mode): tokens/s."""
     from vllm import LLM, SamplingParams
     llm = LLM(model=args.model, gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-              seed=0, **({"dtype": "bfloat16"} if GPU else ENGINE_ON_CPU))
+              seed=0, **({"dtype": "bfloat16"} if GPU else ON_CPU))
     prompts = [{"prompt_token_ids": p} for p in prompts_for(args.model, args.prompts)]
     params = SamplingParams(n=args.rollout_n, temperature=1.0, max_tokens=args.max_tokens)
     llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
@@ -187,7 +186,7 @@ def main(args):
     t = time.perf_counter()
     engine = VLLMEngine(args.model, gpu_memory_utilization=args.gpu_memory_utilization,
                         max_model_len=args.max_model_len, load_format="dummy", max_num_seqs=args.max_num_seqs,
-                        **({} if GPU else ENGINE_ON_CPU))
+                        **({} if GPU else ON_CPU))
     res["engine_init_s"] = time.perf_counter() - t
     res["first_push_s"] = timed(lambda: engine.update_weights(sharding.iter_full_tensors(actor, torch.bfloat16)))
 

@@ -20,7 +20,7 @@ sys.path.insert(0, ROOT)
 
 import sharding  # noqa: E402
 import train_grpo  # noqa: E402
-from rollout import VLLMEngine, logprob_gap  # noqa: E402
+from rollout import ON_CPU, VLLMEngine, logprob_gap  # noqa: E402
 
 GPU = torch.cuda.is_available()
 
@@ -113,8 +113,8 @@ def main(model_path, out_path):
     actor = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                  attn_implementation=sharding.PACKED_ATTENTION).to(device)
     sharding.apply_fsdp2(actor)
-    on_cpu = {} if GPU else {"dtype": "float32", "enforce_eager": True}  # as the CPU engine tests run it
-    engine = VLLMEngine(model_path, gpu_memory_utilization=0.3, max_model_len=1024, load_format="dummy", **on_cpu)
+    engine = VLLMEngine(model_path, gpu_memory_utilization=0.3, max_model_len=1024, load_format="dummy",
+                        **({} if GPU else ON_CPU))
     config = engine.llm.llm_engine.vllm_config.compilation_config
     res["engine_compilation"] = {"mode": int(config.mode), "cudagraph_mode": config.cudagraph_mode.name}
     push = lambda: engine.update_weights(sharding.iter_full_tensors(actor, torch.bfloat16))  # noqa: E731
