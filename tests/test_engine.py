@@ -385,8 +385,7 @@ def test_vllm_log_probs_only_where_asked(tmp_path, monkeypatch):
     # architecture in this process.
     monkeypatch.setattr(registry._LazyRegisteredModel, "_load_modelinfo_from_cache", lambda self, module_hash: None)
     monkeypatch.setattr(registry, "_run_in_subprocess", no_subprocess)
-    engine = rollout.VLLMEngine(make_tiny_model(str(tmp_path / "m")), dtype="float32", max_model_len=128,
-                                enforce_eager=True)
+    engine = rollout.VLLMEngine(make_tiny_model(str(tmp_path / "m")), max_model_len=128, **rollout.ON_CPU)
     prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
     both = engine.generate(prompts, n=2, temperature=0, max_tokens=6)
     some = engine.generate(prompts, n=2, temperature=0, max_tokens=6, logprobs=[True, False, True])

@@ -220,8 +220,7 @@ def main(work: str) -> list[dict]:
     # --- 3. push trained weights into vLLM: greedy equals transformers, sampled log-probs match
     tok = make_tiny_tokenizer()
     prompts = [tok.encode(p) for p in PROMPTS]
-    engine = rollout.VLLMEngine(model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                                max_num_seqs=16)
+    engine = rollout.VLLMEngine(model_dir, max_model_len=256, seed=0, max_num_seqs=16, **rollout.ON_CPU)
     before, _ = greedy(engine, prompts)  # still the initial weights from disk
     engine.update_weights(sharding.iter_full_tensors(model))
     trained_tokens, trained_logprobs = greedy(engine, prompts)

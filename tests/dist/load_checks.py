@@ -80,8 +80,8 @@ def main(work: str) -> dict:
     fp32_weights = exported.state_dict()
     r["export_bf16_weights"] = all(torch.equal(t, fp32_weights[k].bfloat16())
                                    for k, t in exported_bf16.state_dict().items())
-    engine = rollout.VLLMEngine(os.path.join(work, "export"), dtype="float32", enforce_eager=True,
-                                max_model_len=256, seed=0, max_num_seqs=16)
+    engine = rollout.VLLMEngine(os.path.join(work, "export"), max_model_len=256, seed=0, max_num_seqs=16,
+                                **rollout.ON_CPU)
     tokens, _ = greedy(engine, prompts)
     r["export_vllm_greedy"] = tokens == ref["greedy_tokens"]
     r["max_tokens"] = MAX_TOKENS
