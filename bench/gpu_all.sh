@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, each with a time limit, logs and results under $OUT (default bench_out):
 #   bash bench/gpu_all.sh test      # make test-gpu: the engine's checks with NCCL, bf16, level-2 sleep
-#   bash bench/gpu_all.sh engine    # bench_engine: plain vLLM vs ours, sync, sleep/wake, memory, parity, and
-#                                   # the host's time during generation by part of vLLM (--profile)
+#   bash bench/gpu_all.sh engine    # bench_engine: plain vLLM vs ours (and how busy the GPU was), sync, sleep/wake,
+#                                   # memory, parity, the host's time while generating by part of vLLM (--profile)
 #   bash bench/gpu_all.sh sync      # bench_engine without the plain vLLM run (ours, sync, sleep/wake, parity)
 #   bash bench/gpu_all.sh grpo      # 3 GRPO steps of the tutorial shape + the per-phase table
 #   bash bench/gpu_all.sh grpo_compiled  # 5 GRPO steps, update compiled, 49k/64k-token micro-batches

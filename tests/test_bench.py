@@ -4,6 +4,7 @@ profile_step and random_model on a tiny model."""
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -108,6 +109,24 @@ def test_host_profile_sorts_own_time_by_part(capsys):
     assert sum(v for k, v in res.items() if k != "wall_s") <= res["wall_s"] * 1.05  # own times add up to the call
     out = capsys.readouterr().out
     assert "host time under cProfile" in out and "squares" in out and "the 2 functions" in out
+
+
+def test_busy_while_averages_what_it_read_after_settling():
+    t0, values = time.perf_counter(), []
+
+    def read():  # what the driver would report: its window covers the idle time before fn for 0.2 s
+        values.append(0 if time.perf_counter() - t0 < 0.2 else 40 + 20 * (len(values) % 2))
+        return values[-1]
+    ran = []
+    result, busy = bench_engine.busy_while(lambda: (time.sleep(0.6), ran.append(1))[1], read, period=0.02,
+                                           settle_s=0.25)
+    assert result is None and ran == [1] and len(values) >= 5
+    assert 0 not in values and 40 <= busy <= 60  # nothing read while the driver's window covers the time before
+    assert bench_engine.busy_while(lambda: ran.append(2) or 7, read, settle_s=5.0) == (7, None)  # ended too soon
+    assert bench_engine.busy_while(lambda: time.sleep(0.2), lambda: None, period=0.02, settle_s=0.0)[1] is None
+    assert bench_engine.busy_while(lambda: ran.append(3) or 8, None) == (8, None) and ran == [1, 2, 3]  # no reader
+    if not bench_engine.GPU:
+        assert bench_engine.nvml_gpu_busy() is None
 
 
 def test_scaling_table_by_hand(tmp_path, capsys):

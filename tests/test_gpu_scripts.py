@@ -81,3 +81,5 @@ def test_bench_engine_runs_on_cpu(tiny_dir, tmp_path):
     assert prof["scheduler and KV-cache blocks (vllm/v1/core)"] > 0 and prof[bench_engine_loop] > 0
     assert "functions with the most own time" in proc.stdout
     assert "ours / plain" in proc.stdout  # the table
+    assert res["gpu_busy_pct"] is None and res["plain_gpu_busy_pct"] is None  # no GPU to read
+    assert "GPU busy while generating" in proc.stdout

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -75,3 +76,25 @@ def test_engine_on_gpu(tmp_path):
     line = [x for x in proc.stdout.splitlines() if x.startswith("TOKENS ")]
     assert line, proc.stderr[-5000:]
     assert json.loads(line[0][len("TOKENS "):]) == res["greedy_tokens"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_busy_reads_nvml():
+    """bench_engine's measure of how busy the GPU was: near 100% while matmuls queue back to back, low while
+    the host sleeps between short kernels."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_engine
+    read = bench_engine.nvml_gpu_busy()
+    assert read is not None and 0 <= read() <= 100
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def matmuls(seconds, pause):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            a @ a
+            torch.cuda.synchronize()
+            time.sleep(pause)
+    _, busy = bench_engine.busy_while(lambda: matmuls(3.0, 0.0), read)
+    _, idle = bench_engine.busy_while(lambda: matmuls(3.0, 0.05), read)  # ~1 ms of work, then 50 ms asleep
+    print(f"GPU busy: {busy:.0f}% back to back, {idle:.0f}% with pauses")
+    assert busy > 80 and idle < 40
