@@ -154,6 +154,10 @@ class Args:
     default_local_dir: str | None = field(default=None, metadata={"help": "default checkpoints/PROJECT/EXPERIMENT"})
     keep_last_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept on disk"})
     export_final: bool = field(default=True, metadata={"help": "write the final policy as a HF folder"})
+    rollout_data_dir: str | None = field(default=None, metadata={
+        "help": "write each step's responses (text, score) to DIR/STEP.jsonl"})
+    validation_data_dir: str | None = field(default=None, metadata={
+        "help": "write each validation's responses to DIR/STEP.jsonl (DIR/STEP_nN.jsonl for --val_n N)"})
     logger: str = field(default="console,jsonl", metadata={"help": "comma list of console, jsonl, wandb, tensorboard"})
     project_name: str = field(default="ppo_gsm8k", metadata={"help": "for wandb / tensorboard / folders"})
     experiment_name: str = field(default="qwen2.5_0.5b", metadata={"help": "for wandb / tensorboard / folders"})
@@ -663,6 +667,10 @@ def check_args(args, world_size):
     def need(ok, msg):
         if not ok:
             raise SystemExit(f"{os.path.basename(__file__)}: {msg}")
+    for flag in ("rollout_data_dir", "validation_data_dir"):
+        path = getattr(args, flag)
+        need(not path or not os.path.exists(path) or os.path.isdir(path),
+             f"--{flag} {path} is a file, not a folder: give a folder for the .jsonl files, or leave the flag out")
     need(args.rollout_n >= 1, "--rollout_n must be >= 1")
     need(args.train_batch_size % world_size == 0,
          f"--train_batch_size {args.train_batch_size} must be divisible by the number of GPUs {world_size}")
@@ -806,16 +814,41 @@ def rollout(engine, examples, args, tokenizer, reward_fn, seed, n, temperature):
     groups = []
     for i, (e, out) in enumerate(zip(mine, outs)):
         k = slice(i * n, (i + 1) * n)
-        groups.append(dict(example=e, samples=out, scores=scores[k], flexible=flexible[k],
+        groups.append(dict(example=e, samples=out, texts=texts[k], scores=scores[k], flexible=flexible[k],
                            extras={key: v[k] for key, v in extras.items()}))
     gathered = gather_objects((groups, n_errors))
     return [g for gs, _ in gathered for g in gs], sum(e for _, e in gathered)
 
 
-def validate(engine, val, args, tokenizer, reward_fn, n=1, temperature=0.0):
+def generation_rows(groups, tokenizer, step):
+    """One row per response, as verl's rollout_data_dir and validation_data_dir write them: the prompt and
+    the response as text, the ground truth, the score, the step; then the flexible score (GSM8K) and the
+    reward function's numeric extras."""
+    rows = []
+    for g in groups:
+        prompt = tokenizer.decode(g["example"].prompt_ids, skip_special_tokens=True)
+        for i, text in enumerate(g["texts"]):
+            row = {"input": prompt, "output": text, "gts": g["example"].ground_truth, "score": g["scores"][i],
+                   "step": step}
+            if not math.isnan(g["flexible"][i]):
+                row["score_flexible"] = g["flexible"][i]
+            rows.append(row | {key: v[i] for key, v in g["extras"].items()})
+    return rows
+
+
+def dump_generations(directory, name, rows):
+    """DIRECTORY/NAME.jsonl, one JSON object per row, written whole (a temporary file renamed) or not at all."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{name}.jsonl")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    os.replace(path + ".tmp", path)
+
+
+def validate(engine, val, args, tokenizer, reward_fn, step, n=1, temperature=0.0):
     """Greedy mean@1 (strict: the training reward; flexible: the last number) per data source, and
     with n > 1 sampled mean@n and pass@k for k = 1, 2, 4, ..., n. Uneven shares are fine: groups
-    generate independently."""
+    generate independently. With --validation_data_dir, every response goes to a file, in the data's order."""
     examples = val.examples[:args.max_val_samples] if args.max_val_samples else val.examples
     share = examples[engine.dp_rank::engine.dp_size]
     outs = engine.generate([e.prompt_ids for e in share], n=n, temperature=temperature, top_p=1.0, top_k=-1,
@@ -824,9 +857,19 @@ def validate(engine, val, args, tokenizer, reward_fn, n=1, temperature=0.0):
     sources = [e.data_source for e in share for _ in range(n)]
     truths = [e.ground_truth for e in share for _ in range(n)]
     infos = [e.extra_info for e in share for _ in range(n)]
-    strict, _, _ = reward.score_batch(reward_fn, sources, texts, truths, infos, args.reward_errors)
+    strict, extras, _ = reward.score_batch(reward_fn, sources, texts, truths, infos, args.reward_errors)
     flex = [reward.compute_score(s, t, g, method="flexible") if s in reward.SCORERS else float("nan")
             for s, t, g in zip(sources, texts, truths)]
+    if args.validation_data_dir:  # (index in the data, group) from every rank, then rank 0 writes them in order
+        groups = [(engine.dp_rank + i * engine.dp_size,
+                   dict(example=e, texts=texts[k], scores=strict[k], flexible=flex[k],
+                        extras={key: v[k] for key, v in extras.items()}))
+                  for i, e in enumerate(share) for k in [slice(i * n, (i + 1) * n)]]
+        groups = sorted((g for gs in gather_objects(groups if engine.tp_rank == 0 else []) for g in gs),
+                        key=lambda g: g[0])
+        if dist.get_rank() == 0:
+            dump_generations(args.validation_data_dir, str(step) if n == 1 else f"{step}_n{n}",
+                             generation_rows([g for _, g in groups], tokenizer, step))
     rows = [(e.data_source, strict[i * n:(i + 1) * n], flex[i * n:(i + 1) * n], [len(s.token_ids) for s in outs[i]])
             for i, e in enumerate(share)]
     rows = [r for rs in gather_objects(rows if engine.tp_rank == 0 else []) for r in rs]
@@ -913,13 +956,14 @@ def main(args):
     logger = Logger(args, args.default_local_dir)
     logger.truncate(step - 1 if step == 0 else step)
     if args.val_only:
-        metrics = validate(engine, val, args, tokenizer, reward_fn)
+        metrics = validate(engine, val, args, tokenizer, reward_fn, step)
         if args.val_n > 1:
-            metrics |= validate(engine, val, args, tokenizer, reward_fn, n=args.val_n, temperature=args.val_temperature)
+            metrics |= validate(engine, val, args, tokenizer, reward_fn, step, n=args.val_n,
+                                temperature=args.val_temperature)
         logger.log(metrics, step)
         return metrics
     if args.val_before_train and val is not None and step == 0:
-        logger.log(validate(engine, val, args, tokenizer, reward_fn), step)
+        logger.log(validate(engine, val, args, tokenizer, reward_fn, step), step)
     peak_flops = measure_peak_flops(device) * world
     push_bytes = sum(p.numel() for p in actor.parameters()) * push_dtype.itemsize
     config = actor.config
@@ -951,6 +995,8 @@ def main(args):
                                            seed=hash((args.seed, step, engine.dp_rank)) % 2**31, n=n,
                                            temperature=args.temperature)
                 engine.sleep()
+            if args.rollout_data_dir and rank == 0:  # the responses this step trains on, as text
+                dump_generations(args.rollout_data_dir, str(step), generation_rows(groups, tokenizer, step))
             all_scores = torch.tensor([s for g in groups for s in g["scores"]])
             mine = groups[rank * per_rank:(rank + 1) * per_rank]
             samples = [(g["example"].prompt_ids, s.token_ids) for g in mine for s in g["samples"]]  # N/world
@@ -1075,7 +1121,7 @@ def main(args):
         stopping = not last_step and stop.agreed(device)  # checkpointed at once, not validated
         if val is not None and args.test_freq > 0 and (step % args.test_freq == 0 or last_step) and not stopping:
             with Timer(metrics, device)("testing"):
-                metrics |= validate(engine, val, args, tokenizer, reward_fn)
+                metrics |= validate(engine, val, args, tokenizer, reward_fn, step)
             stopping = not last_step and stop.agreed(device)  # a SIGTERM during validation: this step, too
         if (args.save_freq > 0 and step % args.save_freq == 0) or last_step or stopping:
             with Timer(metrics, device)("save_checkpoint"):

@@ -57,11 +57,13 @@ data="--train_files $DATA/train.parquet --val_files $DATA/test.parquet"
 qwen3=/tmp/models/random-qwen3-1.7b
 make_qwen3="$PY bench/random_model.py --shape qwen3-1.7b --tokenizer $MODEL --out $qwen3"
 # the learning run: the tutorial's GRPO settings with response length 512, lr 5e-6 and the update compiled at
-# the micro-batches where that pays (docs/benchmarks.md); stopped by LIMIT, resumed by the next call
+# the micro-batches where that pays (docs/benchmarks.md); stopped by LIMIT, resumed by the next call. Each
+# validation's responses go to LEARN_DIR/val_generations/STEP.jsonl
 learn="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data \
        --use_dynamic_bsz --ppo_max_token_len_per_gpu 49152 --log_prob_max_token_len_per_gpu 65536 \
        --compile_update true --max_response_length 512 --actor_lr 5e-6 --total_training_steps 32 \
-       --test_freq 4 --save_freq 4 --export_final false --resume_mode auto --default_local_dir $LEARN_DIR"
+       --test_freq 4 --save_freq 4 --export_final false --resume_mode auto --default_local_dir $LEARN_DIR \
+       --validation_data_dir $LEARN_DIR/val_generations"
 steps="--total_training_steps 3 --val_before_train false --test_freq -1 --export_final false --resume_mode disable"
 # one run of the tutorial's shape, afresh in RUNS/NAME, metrics copied to OUT: GPUS TP SCRIPT NAME [FLAGS]
 scale_run() {

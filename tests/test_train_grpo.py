@@ -20,6 +20,8 @@ from safetensors.torch import load_file
 
 import sharding
 import train_grpo
+from data.dataset import Example
+from tests.tiny import make_tiny_tokenizer
 from tests.tiny_model import free_port, make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,8 +114,11 @@ def hf_run(assets):  # micro-batches by token budget (same count on both ranks),
 
 
 @pytest.fixture(scope="module")
-def vllm_run(assets):  # activations recomputed in the update (Hugging Face's checkpointing under FSDP2)
-    return two_step_run(assets, "vllm", "--enable_gradient_checkpointing")
+def vllm_run(assets):  # activations recomputed in the update (Hugging Face's checkpointing under FSDP2); every
+    # response written out as text
+    dumps = assets["tmp"] / "dumps"
+    return two_step_run(assets, "vllm", "--enable_gradient_checkpointing", "--rollout_data_dir",
+                        str(dumps / "rollouts"), "--validation_data_dir", str(dumps / "val"))
 
 
 @pytest.mark.parametrize("run", ["hf_run", "vllm_run"])
@@ -146,6 +151,49 @@ def test_two_steps_log_every_metric_and_change_the_policy(run, assets, request):
         if w.dim() == 2:  # the export is bf16: compare at that precision; ~half the entries move past rounding
             changed = (w.to(final[name].dtype) != final[name]).float().mean().item()
             assert changed > 0.1, f"{name}: only {changed:.1%} of entries changed"
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_rollout_and_validation_data_dirs_hold_every_response(assets, vllm_run):
+    """--rollout_data_dir and --validation_data_dir (verl's names): every response of each step and of each
+    validation as text, with the scores the metrics averaged, validation in the data's order."""
+    m, dumps = metrics_by_step(vllm_run), assets["tmp"] / "dumps"
+    assert sorted(os.listdir(dumps / "rollouts")) == ["1.jsonl", "2.jsonl"]  # nothing half-written left
+    for step in (1, 2):
+        rows = read_jsonl(dumps / "rollouts" / f"{step}.jsonl")
+        assert len(rows) == 4 * 2 and {r["step"] for r in rows} == {step}
+        assert set(rows[0]) == {"input", "output", "gts", "score", "step", "score_flexible"}
+        assert sum(r["score"] for r in rows) / len(rows) == pytest.approx(m[step]["critic/score/mean"])
+        assert all(rows[i]["input"] == rows[i + 1]["input"] for i in range(0, 8, 2))  # a group: one prompt
+        assert all("What is" in r["input"] and r["gts"] == r["gts"].strip() for r in rows)
+    data = pq.read_table(assets["data"] / "test.parquet").to_pylist()
+    assert sorted(os.listdir(dumps / "val")) == ["0.jsonl", "2.jsonl"]  # before training, and at step 2
+    for step in (0, 2):
+        rows = read_jsonl(dumps / "val" / f"{step}.jsonl")
+        # both ranks validated half: the file holds the 8 prompts in the data's order
+        assert [r["gts"] for r in rows] == [d["reward_model"]["ground_truth"] for d in data[:8]]
+        assert all(d["prompt"][0]["content"] in r["input"] for r, d in zip(rows, data))
+        prefix = "val-core/openai/gsm8k/"
+        assert sum(r["score"] for r in rows) / 8 == pytest.approx(m[step][prefix + "reward/mean@1"])
+        assert sum(r["score_flexible"] for r in rows) / 8 == pytest.approx(m[step][prefix + "reward_flexible/mean@1"])
+
+
+def test_generation_rows_by_hand(tmp_path):
+    tok = make_tiny_tokenizer()
+    example = Example(tok.encode("What is 2 plus 3?"), "my_source", "5", None, 0, "f.parquet")
+    groups = [dict(example=example, texts=["5", "6"], scores=[1.0, 0.0], flexible=[float("nan")] * 2,
+                   extras={"acc": [1.0, 0.0]})]
+    rows = train_grpo.generation_rows(groups, tok, step=7)
+    assert rows == [{"input": "What is 2 plus 3?", "output": "5", "gts": "5", "score": 1.0, "step": 7, "acc": 1.0},
+                    {"input": "What is 2 plus 3?", "output": "6", "gts": "5", "score": 0.0, "step": 7, "acc": 0.0}]
+    groups[0]["flexible"] = [1.0, 0.0]  # a data source with a flexible scorer
+    assert [r["score_flexible"] for r in train_grpo.generation_rows(groups, tok, 7)] == [1.0, 0.0]
+    train_grpo.dump_generations(tmp_path / "d", "7", rows)
+    assert os.listdir(tmp_path / "d") == ["7.jsonl"] and read_jsonl(tmp_path / "d" / "7.jsonl") == rows
 
 
 BINARY_REWARD = '''
@@ -396,7 +444,7 @@ def write_parquet_without(src, dst, column):
 
 
 @pytest.mark.parametrize("case", ["rollout_n_1", "missing_column", "missing_reward_file", "token_budget",
-                                  "compile_update"])
+                                  "compile_update", "dump_dir_is_a_file"])
 def test_bad_input_fails_at_start_up(case, assets):
     out = assets["tmp"] / f"bad_{case}"
     expected = []
@@ -410,6 +458,9 @@ def test_bad_input_fails_at_start_up(case, assets):
     elif case == "compile_update":
         args += ["--compile_update", "true", "--compile_layers", "false"]
         expected = ["--compile_update compiles the update's decoder layers, which --compile_layers false leaves eager"]
+    elif case == "dump_dir_is_a_file":
+        args += ["--validation_data_dir", str(assets["reward"])]
+        expected = [f"--validation_data_dir {assets['reward']} is a file, not a folder"]
     elif case == "missing_column":
         bad = assets["tmp"] / "no_reward_model.parquet"
         write_parquet_without(assets["data"] / "train.parquet", bad, "reward_model")

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -79,8 +80,8 @@ TOKEN_BUDGET = ["--use_dynamic_bsz", "--ppo_max_token_len_per_gpu", "300", "--lo
                 "--critic_ppo_max_token_len_per_gpu", "300"]
 
 
-def two_step_run(assets, engine, *extra):
-    out = assets["tmp"] / f"ppo_{engine}{'_'.join(extra)}"
+def two_step_run(assets, engine, *extra, name=None):
+    out = assets["tmp"] / (name or f"ppo_{engine}{'_'.join(extra)}")
     proc = run_ppo(flags(assets, out, engine, 2, "disable", *extra))
     (assets["tmp"] / f"{out.name}.log").write_text(proc.output)
     return out
@@ -89,8 +90,11 @@ def two_step_run(assets, engine, *extra):
 @pytest.fixture(scope="module")
 def hf_run(assets):  # micro-batches by token budget (same count on both ranks); the vLLM run by count.
     # Activations recomputed in both updates (Hugging Face's checkpointing under FSDP2)
+    # Every response written out as text
+    dumps = assets["tmp"] / "ppo_dumps"
     return two_step_run(assets, "hf", *TOKEN_BUDGET, "--enable_gradient_checkpointing",
-                        "--critic_enable_gradient_checkpointing")
+                        "--critic_enable_gradient_checkpointing", "--rollout_data_dir", str(dumps / "rollouts"),
+                        "--validation_data_dir", str(dumps / "val"), name="ppo_hf")
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +147,23 @@ def test_two_steps_log_every_metric_and_change_actor_and_critic(run, assets, req
             assert not torch.equal(critic[name], w), name  # the value model's body trained too
     assert critic.keys() == actor.keys() - {"lm_head.weight"} | {"score.weight", "score.bias"}  # body + value head
     assert critic["score.weight"].shape == (1, 128)
+
+
+def test_rollout_and_validation_data_dirs_hold_every_response(assets, hf_run):
+    """As in GRPO: every response of each step and of the validation at step 2, with the scores the metrics
+    averaged, validation in the data's order."""
+    m, dumps = metrics_by_step(hf_run), assets["tmp"] / "ppo_dumps"
+    assert sorted(os.listdir(dumps / "rollouts")) == ["1.jsonl", "2.jsonl"]
+    for step in (1, 2):
+        rows = test_train_grpo.read_jsonl(dumps / "rollouts" / f"{step}.jsonl")
+        assert len(rows) == N and {r["step"] for r in rows} == {step} and all("What is" in r["input"] for r in rows)
+        assert sum(r["score"] for r in rows) / N == pytest.approx(m[step]["critic/score/mean"])
+    assert os.listdir(dumps / "val") == ["2.jsonl"]  # no validation before training
+    rows = test_train_grpo.read_jsonl(dumps / "val" / "2.jsonl")
+    assert len(rows) == 8 and sum(r["score"] for r in rows) / 8 == pytest.approx(
+        m[2]["val-core/openai/gsm8k/reward/mean@1"])
+    data = pq.read_table(assets["data"] / "test.parquet").to_pylist()[:8]
+    assert [r["gts"] for r in rows] == [d["reward_model"]["ground_truth"] for d in data]
 
 
 def test_critic_warmup_updates_only_the_critic_first(assets):
