@@ -843,7 +843,7 @@ def main(args):
             # 1 generate: the engine (awake, holding the latest weights) samples n responses per prompt
             # 2 score: rule or user reward per response, in the same call
             with timer("gen"):
-                groups, n_errors, rounds, n_all_equal, gen_tokens = [], 0, 0, 0, 0
+                groups, n_errors, rounds, n_all_equal, n_none, n_all, gen_tokens = [], 0, 0, 0, 0, 0, 0
                 while len(groups) < B:
                     rounds += 1
                     new, errs = rollout(engine, next_prompts(), args, tokenizer, reward_fn,
@@ -853,6 +853,8 @@ def main(args):
                     gen_tokens += sum(len(s.token_ids) for g in new for s in g["samples"])  # kept or not
                     equal = [len(set(g["scores"])) == 1 for g in new]  # zero advantage: nothing to learn
                     n_all_equal += sum(equal)
+                    n_none += sum(max(g["scores"]) <= 0 for g in new)  # too hard for the policy, for now
+                    n_all += sum(min(g["scores"]) >= 1 for g in new)  # learned
                     if args.filter_groups:  # DAPO's dynamic sampling: keep the others, generate more
                         new = [g for g, e in zip(new, equal) if not e]
                         if 0 < args.max_num_gen_batches <= rounds and len(groups) + len(new) < B:
@@ -944,6 +946,7 @@ def main(args):
             "rollout/logprob_gap_mean": logprob_gap(old_log_probs[checked], rollout_log_probs,
                                                     response_mask[checked]),
             "rollout/gen_rounds": float(rounds), "rollout/all_equal_groups": n_all_equal / (rounds * G),
+            "rollout/solve_none": n_none / (rounds * G), "rollout/solve_all": n_all / (rounds * G),
             "reward/errors": float(n_errors),
             "actor/lr": lr,
             "perf/throughput": (prompt_tokens + lengths.sum().item()) / t["timing_s/step"] / world,

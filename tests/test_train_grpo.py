@@ -36,7 +36,7 @@ METRICS = [
     "timing_s/update_weights", "timing_s/step", "timing_s/since_launch",
     "perf/throughput", "perf/mfu/actor", "perf/max_memory_allocated_gb", "rollout/logprob_gap_mean",
     "perf/mfu/old_log_prob", "perf/tflops/actor", "perf/weight_sync_gb_s", "perf/peak_tflops",
-    "rollout/gen_rounds", "rollout/all_equal_groups",
+    "rollout/gen_rounds", "rollout/all_equal_groups", "rollout/solve_none", "rollout/solve_all",
 ]
 STEP2_ONLY = ["timing_s/testing", "val-core/openai/gsm8k/reward/mean@1", "val-core/openai/gsm8k/reward_flexible/mean@1"]
 REWARD = '''
@@ -139,6 +139,7 @@ def test_two_steps_log_every_metric_and_change_the_policy(run, assets, request):
         assert m[step]["critic/score/min"] <= m[step]["critic/score/mean"] <= m[step]["critic/score/max"]
         assert 0 < m[step]["actor/entropy"] < math.log(vocab)  # a token mean (the old pass's), below uniform's
         assert m[step]["rollout/gen_rounds"] == 1 and 0 <= m[step]["rollout/all_equal_groups"] <= 1
+        assert 0 <= m[step]["rollout/solve_none"] <= 1 and 0 <= m[step]["rollout/solve_all"] <= 1
     assert any(m[s]["critic/score/max"] > m[s]["critic/score/min"] for s in (1, 2))  # some group had signal
     # --lr_warmup_steps 2: step 1 trains at (0 + 1) / 2 * LR, step 2 at LR
     assert m[1]["actor/lr"] == pytest.approx(LR / 2) and m[2]["actor/lr"] == pytest.approx(LR)
@@ -222,6 +223,8 @@ def test_filter_groups_trains_only_on_groups_with_signal(assets, tmp_path):
         # ones were at least 1 per earlier round, and the last round kept at least 1
         rounds, share = m[step]["rollout/gen_rounds"], m[step]["rollout/all_equal_groups"]
         assert (rounds - 1) / (4 * rounds) <= share <= 1 - 1 / (4 * rounds)
+        # a 0/1 reward: an all-equal group scored all 0 or all 1
+        assert m[step]["rollout/solve_none"] + m[step]["rollout/solve_all"] == pytest.approx(share)
         # the generation rate counts every round's tokens, the dropped groups' too: 8 responses of at most
         # 16 tokens a round, of which the 8 kept ones are response_length/mean long on average
         generated = m[step]["perf/gen_tokens_per_s"] * m[step]["timing_s/gen"]
