@@ -136,7 +136,7 @@ class Args:
     keep_last_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept on disk"})
     export_final: bool = field(default=True, metadata={"help": "write the final policy as a HF folder"})
     rollout_data_dir: str | None = field(default=None, metadata={
-        "help": "write each step's responses (text, score) to DIR/STEP.jsonl"})
+        "help": "write the responses each step trains on (text, score) to DIR/STEP.jsonl"})
     validation_data_dir: str | None = field(default=None, metadata={
         "help": "write each validation's responses to DIR/STEP.jsonl (DIR/STEP_nN.jsonl for --val_n N)"})
     logger: str = field(default="console,jsonl", metadata={"help": "comma list of console, jsonl, wandb, tensorboard"})
