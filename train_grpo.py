@@ -95,7 +95,8 @@ class Args:
     max_num_gen_batches: int = field(default=10, metadata={
         "help": "filter_groups: generation rounds per step at most; 0: no limit (verl's meaning)"})
     gen_batch_size: int = field(default=0, metadata={
-        "help": "filter_groups: prompts per generation round (DAPO: 3 x train_batch_size); 0: train_batch_size"})
+        "help": "filter_groups: prompts a generation round takes at most (DAPO: 3 x train_batch_size); "
+                "0: train_batch_size"})
     # memory
     enable_gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations"})
     param_offload: bool = field(default=False, metadata={"help": "actor params, grads and optimizer on CPU"})
@@ -648,6 +649,21 @@ def batch_order(n_examples, batch_size, epoch, seed):
     return [perm[i:i + batch_size] for i in range(0, n_examples - batch_size + 1, batch_size)]
 
 
+def round_size(missing, kept, generated, G, world):
+    """Prompts a --filter_groups generation round takes from its batch of G.
+
+    The whole batch while nothing has been kept this step (the first round, or rounds that kept nothing).
+    After that, enough prompts for the `missing` groups at the share of groups kept so far, 20% over,
+    rounded up to a multiple of the ranks: generating the whole batch would only make groups that are
+    dropped once the step has its train_batch_size. The rest of the batch is skipped, as those would be.
+    Example: 26 groups missing after 230 of 512 were kept: 26 * 512 / 230 * 1.2 = 69.5, so 70 prompts.
+    """
+    if kept == 0:
+        return G
+    k = -(-missing * generated * 6 // (kept * 5))  # ceil(missing / (kept / generated) * 1.2)
+    return min(G, -(-k // world) * world)
+
+
 def rollout(engine, examples, args, tokenizer, reward_fn, seed, n, temperature):
     """Generate n responses per prompt and score them; returns the groups of all ranks, in order.
 
@@ -843,10 +859,14 @@ def main(args):
             # 1 generate: the engine (awake, holding the latest weights) samples n responses per prompt
             # 2 score: rule or user reward per response, in the same call
             with timer("gen"):
-                groups, n_errors, rounds, n_all_equal, n_none, n_all, gen_tokens = [], 0, 0, 0, 0, 0, 0
+                groups, n_errors, rounds, n_prompts, n_all_equal, n_none, n_all, gen_tokens = [], 0, 0, 0, 0, 0, 0, 0
                 while len(groups) < B:
                     rounds += 1
-                    new, errs = rollout(engine, next_prompts(), args, tokenizer, reward_fn,
+                    prompts = next_prompts()
+                    if args.filter_groups:  # the rounds after the first generate only what the step still needs
+                        prompts = prompts[:round_size(B - len(groups), len(groups), n_prompts, G, world)]
+                    n_prompts += len(prompts)
+                    new, errs = rollout(engine, prompts, args, tokenizer, reward_fn,
                                         seed=hash((args.seed, step, rounds, engine.dp_rank)) % 2**31, n=n,
                                         temperature=args.temperature)
                     n_errors += errs
@@ -945,8 +965,9 @@ def main(args):
             if any(g["example"].data_source in reward.SCORERS for g in groups) else float("nan"),
             "rollout/logprob_gap_mean": logprob_gap(old_log_probs[checked], rollout_log_probs,
                                                     response_mask[checked]),
-            "rollout/gen_rounds": float(rounds), "rollout/all_equal_groups": n_all_equal / (rounds * G),
-            "rollout/solve_none": n_none / (rounds * G), "rollout/solve_all": n_all / (rounds * G),
+            "rollout/gen_rounds": float(rounds), "rollout/gen_prompts": float(n_prompts),
+            "rollout/all_equal_groups": n_all_equal / n_prompts,
+            "rollout/solve_none": n_none / n_prompts, "rollout/solve_all": n_all / n_prompts,
             "reward/errors": float(n_errors),
             "actor/lr": lr,
             "perf/throughput": (prompt_tokens + lengths.sum().item()) / t["timing_s/step"] / world,

@@ -219,17 +219,20 @@ def test_filter_groups_trains_only_on_groups_with_signal(assets, tmp_path):
     for step in (1, 2):
         # groups of 2 responses scored 0 or 1: a kept group holds one of each, so the batch's mean is 1/2
         assert m[step]["critic/score/mean"] == 0.5
-        # every round generates 4 groups; the rounds before the last kept fewer than 4, so the all-equal
-        # ones were at least 1 per earlier round, and the last round kept at least 1
-        rounds, share = m[step]["rollout/gen_rounds"], m[step]["rollout/all_equal_groups"]
-        assert (rounds - 1) / (4 * rounds) <= share <= 1 - 1 / (4 * rounds)
+        # the first round generates the whole batch of 4 prompts, later ones what is still missing (at
+        # least 2, one per rank); the step kept 4 groups with signal, and needed a second round only if
+        # the first held an all-equal group
+        rounds, prompts = m[step]["rollout/gen_rounds"], m[step]["rollout/gen_prompts"]
+        share = m[step]["rollout/all_equal_groups"]
+        assert 4 + 2 * (rounds - 1) <= prompts <= 4 * rounds
+        assert (rounds > 1) / prompts <= share <= 1 - 4 / prompts
         # a 0/1 reward: an all-equal group scored all 0 or all 1
         assert m[step]["rollout/solve_none"] + m[step]["rollout/solve_all"] == pytest.approx(share)
         # the generation rate counts every round's tokens, the dropped groups' too: 8 responses of at most
         # 16 tokens a round, of which the 8 kept ones are response_length/mean long on average
         generated = m[step]["perf/gen_tokens_per_s"] * m[step]["timing_s/gen"]
         kept = m[step]["response_length/mean"] * 8
-        assert kept * (1 - 1e-6) <= generated <= rounds * 8 * 16 * (1 + 1e-6)
+        assert kept * (1 - 1e-6) <= generated <= prompts * 2 * 16 * (1 + 1e-6)
         assert rounds == 1 or generated > kept
     assert max(m[s]["rollout/gen_rounds"] for s in (1, 2)) > 1  # the filter dropped groups and generated more
     # the step that needed a second round stops at a limit of one, and says which flag to change
@@ -237,7 +240,21 @@ def test_filter_groups_trains_only_on_groups_with_signal(assets, tmp_path):
     assert proc.returncode != 0 and "after 1 generation rounds (--max_num_gen_batches)" in proc.output
 
 
-def test_gen_batch_size_generates_rounds_of_that_many_prompts(assets, tmp_path):
+def test_round_size_by_hand():
+    # nothing kept yet: the whole batch
+    assert train_grpo.round_size(256, 0, 0, 256, 1) == 256
+    assert train_grpo.round_size(200, 0, 256, 256, 1) == 256
+    # 26 missing after 230 of 512 kept: 26 / (230 / 512) * 1.2 = 69.46 -> 70; on 4 ranks 72
+    assert train_grpo.round_size(26, 230, 512, 256, 1) == 70
+    assert train_grpo.round_size(26, 230, 512, 256, 4) == 72
+    # 141 missing after 115 of 256: 141 / 0.449 * 1.2 = 376.7, more than the batch holds
+    assert train_grpo.round_size(141, 115, 256, 256, 1) == 256
+    assert train_grpo.round_size(141, 115, 256, 768, 8) == 384
+    # exact arithmetic at the boundary: 5 / (5 / 10) * 1.2 = 12 exactly, not 13
+    assert train_grpo.round_size(5, 5, 10, 64, 1) == 12
+
+
+def test_gen_batch_size_generates_rounds_of_at_most_that_many_prompts(assets, tmp_path):
     # the binary reward, also writing down which train prompt (extra_info's index) each response answers
     def reward_file(name):
         log = tmp_path / f"{name}.prompts"
@@ -268,14 +285,15 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     first_prompts = [int(x) for x in first_log.read_text().split()]
     assert sorted(first_prompts) == sorted(order[:8] * 2)  # 2 responses per prompt
     prompts = [int(x) for x in second_log.read_text().split()]
-    rounds = [int(m[s]["rollout/gen_rounds"]) for s in (3, 4)]
-    assert len(prompts) == sum(rounds) * 8 * 2  # every round generated 8 prompts x 2 responses
+    generated = [int(m[s]["rollout/gen_prompts"]) for s in (3, 4)]
+    assert len(prompts) == sum(generated) * 2  # 2 responses per prompt generated
     # the first round after the resume takes the next 8 prompts of the epoch: none of those already used
     assert sorted(prompts[:16]) == sorted(order[8:16] * 2)
-    for step, r in zip((3, 4), rounds):
+    for step, g in zip((3, 4), generated):
         assert m[step]["critic/score/mean"] == 0.5  # the kept groups: one 0 and one 1 each
-        # all-equal groups of the step's r rounds of 8: the rounds before the last kept at most 3 in all
-        assert max(0, (r - 1) * 8 - 3) / (8 * r) <= m[step]["rollout/all_equal_groups"] <= 1 - 4 / (8 * r)
+        # a step's first round takes a whole batch of 8; it kept 4 groups with signal in all
+        assert 8 <= g <= 8 * m[step]["rollout/gen_rounds"]
+        assert m[step]["rollout/all_equal_groups"] <= 1 - 4 / g
 
 
 def test_resume_replays_the_uninterrupted_run(assets, vllm_run):
