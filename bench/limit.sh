@@ -4,8 +4,8 @@
 # progress, checkpoint it and exit (sharding.StopRequest), and torchrun exits with them; GRACE seconds
 # later, kill whatever is left. Signalling torchrun as well, as `timeout` does, would start its own
 # clock: it kills its workers 30 s later, and torch before 2.12 has no way to lengthen that (a step and
-# a checkpoint of the 0.5B model on one H200 took 29 s of it). A command that started no torchrun gets
-# the SIGTERM itself. Exit status: the command's.
+# a checkpoint of the 0.5B model on one H200 took 29 s of it). A command that started no torchrun, and a
+# torchrun that has not started its workers yet, get the SIGTERM themselves. Exit status: the command's.
 set -u
 limit=$1 grace=$2
 shift 2
@@ -21,7 +21,8 @@ pid=$!
     case $(ps -o comm= -p "$p") in sh|bash|dash|zsh) ;; *) echo "$p" ;; esac
   done)
   if [ -n "$launchers" ]; then
-    for launcher in $launchers; do pkill -TERM -P "$launcher"; done
+    # a torchrun that has not started its workers yet has nothing to checkpoint: it gets the signal
+    for launcher in $launchers; do pkill -TERM -P "$launcher" || kill -TERM "$launcher"; done
   else
     pkill -TERM -s "$pid"
   fi

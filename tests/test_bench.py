@@ -227,7 +227,8 @@ time.sleep(120)
 def test_limit_signals_the_workers_and_lets_them_finish(tmp_path, after):
     """bench/limit.sh at its limit signals torchrun's workers only: torchrun, told to give them 1 s
     after a signal of its own, waits for them as they take 4 s to checkpoint and exit cleanly. Also
-    when a command follows torchrun's: its shell then waits for torchrun, and its command line names it."""
+    when a command follows torchrun's: its shell then waits for torchrun, and its command line names it.
+    A torchrun whose workers have not started yet gets the signal itself."""
     import subprocess
     import time
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -237,11 +238,20 @@ def test_limit_signals_the_workers_and_lets_them_finish(tmp_path, after):
     cmd = (f"{sys.executable} -m torch.distributed.run --nproc_per_node=2 --master_port 0 {script} "
            f"{tmp_path}/saved{after}")
     start = time.monotonic()
-    proc = subprocess.run(["bash", os.path.join(root, "bench/limit.sh"), "2", "30", cmd], env=env,
-                          capture_output=True, text=True, timeout=60)
+    # 15 s: the workers have started and set their handler by then, on a slow machine too (a 2-core
+    # machine took more than 2 s)
+    proc = subprocess.run(["bash", os.path.join(root, "bench/limit.sh"), "15", "60", cmd], env=env,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.glob("saved.*")) == ["saved.0", "saved.1"]
-    assert time.monotonic() - start < 25  # ended with the workers, not at the grace period's end
+    assert time.monotonic() - start < 50  # ended with the workers, not at the grace period's end
+    # a limit reached before torchrun has started its workers stops torchrun itself, at once
+    start = time.monotonic()
+    early = cmd.replace(f"{tmp_path}/saved", f"{tmp_path}/early")
+    proc = subprocess.run(["bash", os.path.join(root, "bench/limit.sh"), "0", "60", early], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and not list(tmp_path.glob("early.*"))  # no worker ran to checkpoint
+    assert time.monotonic() - start < 30  # not at the grace period's end
     # a command without torchrun gets the signal itself
     proc = subprocess.run(["bash", os.path.join(root, "bench/limit.sh"), "1", "30", "sleep 20"], timeout=60)
     assert proc.returncode == 143  # 128 + SIGTERM

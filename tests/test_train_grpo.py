@@ -36,7 +36,7 @@ METRICS = [
     "timing_s/update_weights", "timing_s/step", "timing_s/since_launch",
     "perf/throughput", "perf/mfu/actor", "perf/max_memory_allocated_gb", "rollout/logprob_gap_mean",
     "perf/mfu/old_log_prob", "perf/tflops/actor", "perf/weight_sync_gb_s", "perf/peak_tflops",
-    "rollout/gen_rounds", "rollout/all_equal_groups", "rollout/solve_none", "rollout/solve_all",
+    "rollout/gen_rounds", "rollout/gen_prompts", "rollout/all_equal_groups", "rollout/solve_none", "rollout/solve_all",
 ]
 STEP2_ONLY = ["timing_s/testing", "val-core/openai/gsm8k/reward/mean@1", "val-core/openai/gsm8k/reward_flexible/mean@1"]
 REWARD = '''
@@ -138,7 +138,8 @@ def test_two_steps_log_every_metric_and_change_the_policy(run, assets, request):
         assert 0 < m[step]["response_length/mean"] <= m[step]["response_length/max"] <= 16
         assert m[step]["critic/score/min"] <= m[step]["critic/score/mean"] <= m[step]["critic/score/max"]
         assert 0 < m[step]["actor/entropy"] < math.log(vocab)  # a token mean (the old pass's), below uniform's
-        assert m[step]["rollout/gen_rounds"] == 1 and 0 <= m[step]["rollout/all_equal_groups"] <= 1
+        assert m[step]["rollout/gen_rounds"] == 1 and m[step]["rollout/gen_prompts"] == 4  # no filter: one batch
+        assert 0 <= m[step]["rollout/all_equal_groups"] <= 1
         assert 0 <= m[step]["rollout/solve_none"] <= 1 and 0 <= m[step]["rollout/solve_all"] <= 1
     assert any(m[s]["critic/score/max"] > m[s]["critic/score/min"] for s in (1, 2))  # some group had signal
     # --lr_warmup_steps 2: step 1 trains at (0 + 1) / 2 * LR, step 2 at LR
