@@ -76,6 +76,23 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     return scorer(solution_str, ground_truth, method=kwargs.get("method", "strict"))
 
 
+def gsm8k_partial_credit(data_source, solution_str, ground_truth, extra_info=None, partial=0.5, **kwargs):
+    """GSM8K's strict reward, plus `partial` for a right answer in another format; other sources as compute_score.
+
+    1.0 for the right number after "#### " (the strict reward), `partial` for the right number only as
+    the last one (flexible: "\\boxed{18}", "the answer is 18"), else 0.0. A model that answers in its
+    own format scores nothing under the strict reward until it samples "#### "; this one rewards right
+    answers from the first step and still prefers the asked-for format within every group. "acc" is the
+    strict score, so validation reports strict accuracy as val-core/<source>/acc/mean@1. Use it with
+    `--custom_reward_function_path reward.py --custom_reward_function_name gsm8k_partial_credit`.
+    """
+    if data_source != "openai/gsm8k":
+        return compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs)
+    strict = gsm8k_score(solution_str, ground_truth, "strict")
+    score = strict or partial * gsm8k_score(solution_str, ground_truth, "flexible")
+    return {"score": score, "acc": strict}
+
+
 def load_reward_function(path=None, name="compute_score"):
     """The reward function: built-in compute_score when path is None, else `name` from the file at path.
 

@@ -847,8 +847,10 @@ def dump_generations(directory, name, rows):
 
 def validate(engine, val, args, tokenizer, reward_fn, step, n=1, temperature=0.0):
     """Greedy mean@1 (strict: the training reward; flexible: the last number) per data source, and
-    with n > 1 sampled mean@n and pass@k for k = 1, 2, 4, ..., n. Uneven shares are fine: groups
-    generate independently. With --validation_data_dir, every response goes to a file, in the data's order."""
+    with n > 1 sampled mean@n and pass@k for k = 1, 2, 4, ..., n; the reward function's numeric extras as
+    val-aux/<source>/<key>/mean@n, and "acc", verl's name for a correctness flag, as val-core with its
+    pass@k. Uneven shares are fine: groups generate independently. With --validation_data_dir, every
+    response goes to a file, in the data's order."""
     examples = val.examples[:args.max_val_samples] if args.max_val_samples else val.examples
     share = examples[engine.dp_rank::engine.dp_size]
     outs = engine.generate([e.prompt_ids for e in share], n=n, temperature=temperature, top_p=1.0, top_k=-1,
@@ -870,20 +872,27 @@ def validate(engine, val, args, tokenizer, reward_fn, step, n=1, temperature=0.0
         if dist.get_rank() == 0:
             dump_generations(args.validation_data_dir, str(step) if n == 1 else f"{step}_n{n}",
                              generation_rows([g for _, g in groups], tokenizer, step))
-    rows = [(e.data_source, strict[i * n:(i + 1) * n], flex[i * n:(i + 1) * n], [len(s.token_ids) for s in outs[i]])
-            for i, e in enumerate(share)]
-    rows = [r for rs in gather_objects(rows if engine.tp_rank == 0 else []) for r in rs]
+    rows = [(e.data_source, {key: v[k] for key, v in extras.items()} | dict(reward=strict[k], reward_flexible=flex[k]),
+             [len(s.token_ids) for s in outs[i]]) for i, e in enumerate(share) for k in [slice(i * n, (i + 1) * n)]]
+    return validation_metrics([r for rs in gather_objects(rows if engine.tp_rank == 0 else []) for r in rs], n)
+
+
+def validation_metrics(rows, n):
+    """The metrics of `validate` from one row per problem: (data_source, {score name: its n values},
+    response lengths). The names are "reward", "reward_flexible" (NaN where the source has no flexible
+    scorer) and the reward function's extras, which a problem lacks where its function returned none."""
     metrics = {}
     for source in sorted({r[0] for r in rows}):
         mine = [r for r in rows if r[0] == source]
-        for name, idx in (("reward", 1), ("reward_flexible", 2)):
-            vals = np.array([r[idx] for r in mine])
+        for name in dict.fromkeys(key for r in mine for key in r[1]):
+            vals = np.array([r[1].get(name, [0.0] * n) for r in mine])  # a missing extra counts 0, as in training
             if np.isnan(vals).all():
                 continue
-            metrics[f"val-core/{source}/{name}/mean@{n}"] = float(vals.mean())
-            for k in reward.pass_ks(n):
+            core = name in ("reward", "reward_flexible", "acc")
+            metrics[f"val-{'core' if core else 'aux'}/{source}/{name}/mean@{n}"] = float(vals.mean())
+            for k in reward.pass_ks(n) if core else []:
                 metrics[f"val-core/{source}/{name}/pass@{k}"] = reward.pass_at_k(vals > 0, k)
-        metrics[f"val-aux/{source}/response_length/mean"] = float(np.mean([x for r in mine for x in r[3]]))
+        metrics[f"val-aux/{source}/response_length/mean"] = float(np.mean([x for r in mine for x in r[2]]))
     return metrics
 
 

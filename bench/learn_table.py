@@ -1,6 +1,8 @@
 """A run's learning curve as a results table, from its metrics.jsonl: at each validation, the training
 time so far, the wall time so far, and the greedy score of each validation data source (strict reward,
-and flexible where it is logged); then where the run stood after a time budget of training.
+and flexible where it is logged); then where the run stood after a time budget of training. Where the
+reward function logs "acc" (a shaped reward, such as reward.gsm8k_partial_credit, with the strict score
+as "acc"), that column is the strict one and the reward's column reads "reward".
 
     python bench/learn_table.py RUN/metrics.jsonl [--minutes 10]
 
@@ -14,7 +16,7 @@ import argparse
 import json
 import re
 
-VAL = re.compile(r"val-core/(.+)/(reward|reward_flexible)/mean@1$")
+VAL = re.compile(r"val-core/(.+)/(acc|reward|reward_flexible)/mean@1$")
 
 
 def load(path):
@@ -33,7 +35,7 @@ def load(path):
 
 def curve(rows):
     """(sources, points): the validated data sources, and per validation (step, training s, wall s,
-    {(source, kind): score}), kind 'reward' (strict) or 'reward_flexible'."""
+    {(source, kind): score}), kind 'acc', 'reward' (strict where there is no acc) or 'reward_flexible'."""
     train = wall = 0.0
     points, sources = [], []
     for step in sorted(rows):
@@ -57,9 +59,10 @@ def main(path, minutes=10.0):
     sources, points = curve(load(path))
     if not points:
         raise SystemExit(f"learn_table.py: {path} holds no validation (val-core/*/reward/mean@1)")
-    kinds = [(s, k) for s in sources for k in ("reward", "reward_flexible")
+    kinds = [(s, k) for s in sources for k in ("acc", "reward", "reward_flexible")
              if any((s, k) in p[3] for p in points)]
-    names = [f"{s} {'strict' if k == 'reward' else 'flexible'}" for s, k in kinds]
+    label = {"acc": "strict (acc)", "reward_flexible": "flexible"}
+    names = [f"{s} {label.get(k) or ('reward' if (s, 'acc') in kinds else 'strict')}" for s, k in kinds]
     print("| step | training time | wall time (with validation, checkpoints) | " + " | ".join(names) + " |")
     print("|---" * (3 + len(names)) + "|")
     for step, train, wall, scores in points:

@@ -75,6 +75,14 @@ def test_learn_table_by_hand(tmp_path, capsys):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows[1:]))  # no validation before step 1
     learn_table.main(str(path), minutes=1)
     assert capsys.readouterr().out.splitlines()[-1] == "no validation within 1 minutes of training"
+    # a shaped reward that logs the strict score as "acc": that column is the strict one
+    acc = {"step": 0, "val-core/a/acc/mean@1": 0.0, "val-core/a/reward/mean@1": 0.1,
+           "val-core/a/reward_flexible/mean@1": 0.2}
+    path.write_text(json.dumps(acc) + "\n")
+    learn_table.main(str(path))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("| a strict (acc) | a reward | a flexible |")
+    assert lines[2] == "| 0 | 0.0 min | 0.0 min | 0.000 | 0.100 | 0.200 |"
     path.write_text(json.dumps({"step": 1, "timing_s/step": 1.0}) + "\n")
     with pytest.raises(SystemExit, match="holds no validation"):
         learn_table.main(str(path))

@@ -211,3 +211,30 @@ def test_pass_at_k_by_hand():
     assert reward.pass_at_k(correct, 4) == pytest.approx(2 / 3)
     assert reward.pass_ks(1) == [] and reward.pass_ks(4) == [1, 2, 4]
     assert reward.pass_ks(5) == [1, 2, 4, 5] and reward.pass_ks(16) == [1, 2, 4, 8, 16]
+
+
+# (response, ground_truth, score): 1 strict, 0.5 the right last number in another format, else 0
+PARTIAL = [
+    ("3 + 4 = 7\n#### 7", "7", 1.0),
+    ("The answer is \\boxed{7}", "7", 0.5),  # right, not in the asked-for format
+    ("#### 18\nSo she has 3 apples left.", "18", 1.0),  # strict right, the last number wrong: still 1
+    ("#### 17\nno: 18", "18", 0.5),  # the marker's number wrong, the last number right
+    ("#### 17", "18", 0.0),
+    ("The answer is \\boxed{17}", "18", 0.0),
+]
+
+
+@pytest.mark.parametrize("response, truth, score", PARTIAL)
+def test_gsm8k_partial_credit_table(response, truth, score):
+    out = reward.gsm8k_partial_credit(GSM8K, response, truth)
+    assert out == {"score": score, "acc": gsm8k_score(response, truth)}
+    assert reward.gsm8k_partial_credit(GSM8K, response, truth, partial=0.2)["score"] == (score if score != 0.5 else 0.2)
+
+
+def test_gsm8k_partial_credit_as_a_custom_reward_file():
+    """The documented use: reward.py itself as the custom reward file. Other data sources score as built in."""
+    fn = load_reward_function(reward.__file__, "gsm8k_partial_credit")
+    scores, extras, n_errors = score_batch(fn, [GSM8K, GSM8K, "arith"], ["\\boxed{7}", "#### 7", "85, since"],
+                                           ["7", "7", "85"], [None] * 3)
+    assert scores == [0.5, 1.0, 1.0] and n_errors == 0
+    assert extras == {"acc": [0.0, 1.0, 0.0]}  # arith returns a float: no "acc", counted 0

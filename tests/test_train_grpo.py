@@ -38,11 +38,13 @@ METRICS = [
     "perf/mfu/old_log_prob", "perf/tflops/actor", "perf/weight_sync_gb_s", "perf/peak_tflops",
     "rollout/gen_rounds", "rollout/gen_prompts", "rollout/all_equal_groups", "rollout/solve_none", "rollout/solve_all",
 ]
-STEP2_ONLY = ["timing_s/testing", "val-core/openai/gsm8k/reward/mean@1", "val-core/openai/gsm8k/reward_flexible/mean@1"]
+STEP2_ONLY = ["timing_s/testing", "val-core/openai/gsm8k/reward/mean@1", "val-core/openai/gsm8k/reward_flexible/mean@1",
+              "val-core/openai/gsm8k/acc/mean@1"]
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    """Share of ASCII letters and digits in the response."""
-    return sum(c.isascii() and c.isalnum() for c in solution_str) / max(1, len(solution_str))
+    """Share of ASCII letters and digits in the response; "acc": whether that is over half."""
+    share = sum(c.isascii() and c.isalnum() for c in solution_str) / max(1, len(solution_str))
+    return {"score": share, "acc": float(share > 0.5)}
 '''
 
 
@@ -168,7 +170,7 @@ def test_rollout_and_validation_data_dirs_hold_every_response(assets, vllm_run):
     for step in (1, 2):
         rows = read_jsonl(dumps / "rollouts" / f"{step}.jsonl")
         assert len(rows) == 4 * 2 and {r["step"] for r in rows} == {step}
-        assert set(rows[0]) == {"input", "output", "gts", "score", "step", "score_flexible"}
+        assert set(rows[0]) == {"input", "output", "gts", "score", "step", "score_flexible", "acc"}
         assert sum(r["score"] for r in rows) / len(rows) == pytest.approx(m[step]["critic/score/mean"])
         assert all(rows[i]["input"] == rows[i + 1]["input"] for i in range(0, 8, 2))  # a group: one prompt
         assert all("What is" in r["input"] and r["gts"] == r["gts"].strip() for r in rows)
@@ -182,6 +184,7 @@ def test_rollout_and_validation_data_dirs_hold_every_response(assets, vllm_run):
         prefix = "val-core/openai/gsm8k/"
         assert sum(r["score"] for r in rows) / 8 == pytest.approx(m[step][prefix + "reward/mean@1"])
         assert sum(r["score_flexible"] for r in rows) / 8 == pytest.approx(m[step][prefix + "reward_flexible/mean@1"])
+        assert sum(r["acc"] for r in rows) / 8 == pytest.approx(m[step][prefix + "acc/mean@1"])  # the reward's extra
 
 
 def test_generation_rows_by_hand(tmp_path):
@@ -196,6 +199,24 @@ def test_generation_rows_by_hand(tmp_path):
     assert [r["score_flexible"] for r in train_grpo.generation_rows(groups, tok, 7)] == [1.0, 0.0]
     train_grpo.dump_generations(tmp_path / "d", "7", rows)
     assert os.listdir(tmp_path / "d") == ["7.jsonl"] and read_jsonl(tmp_path / "d" / "7.jsonl") == rows
+
+
+def test_validation_metrics_by_hand():
+    nan = float("nan")
+    rows = [("a", {"reward": [1.0, 0.0], "reward_flexible": [1.0, 1.0], "acc": [1.0, 0.0], "fmt": [0.5, 0.5]}, [3, 5]),
+            ("a", {"reward": [0.0, 0.0], "reward_flexible": [0.0, 1.0]}, [4, 4]),  # the reward returned no extras
+            ("b", {"reward": [1.0, 1.0], "reward_flexible": [nan, nan]}, [2, 2])]  # no flexible scorer
+    assert train_grpo.validation_metrics(rows, 2) == {
+        # pass@1 = mean over problems of (right / 2); pass@2: any right
+        "val-core/a/reward/mean@2": 0.25, "val-core/a/reward/pass@1": 0.25, "val-core/a/reward/pass@2": 0.5,
+        "val-core/a/reward_flexible/mean@2": 0.75, "val-core/a/reward_flexible/pass@1": 0.75,
+        "val-core/a/reward_flexible/pass@2": 1.0,
+        # "acc" (verl's core score) with pass@k; other extras as val-aux means; a missing extra counts 0
+        "val-core/a/acc/mean@2": 0.25, "val-core/a/acc/pass@1": 0.25, "val-core/a/acc/pass@2": 0.5,
+        "val-aux/a/fmt/mean@2": 0.25,
+        "val-aux/a/response_length/mean": 4.0,
+        "val-core/b/reward/mean@2": 1.0, "val-core/b/reward/pass@1": 1.0, "val-core/b/reward/pass@2": 1.0,
+        "val-aux/b/response_length/mean": 2.0}
 
 
 BINARY_REWARD = '''
@@ -446,12 +467,13 @@ def test_val_only_scores_the_base_model_and_a_checkpoint(assets, hf_run):
     assert base_row["step"] == 0 and ckpt_row["step"] == 2
     prefix = "val-core/openai/gsm8k/"
     for row in (base_row, ckpt_row):
-        for name in ("reward", "reward_flexible"):
+        for name in ("reward", "reward_flexible", "acc"):
             k = {s: row[f"{prefix}{name}/{s}"] for s in ("mean@1", "mean@4", "pass@1", "pass@2", "pass@4")}
             assert all(0 <= v <= 1 for v in k.values()), k
             assert k["pass@1"] <= k["pass@2"] <= k["pass@4"], k
-        # flexible scores are 0 or 1, so pass@1 is the mean of the samples
-        assert row[f"{prefix}reward_flexible/pass@1"] == pytest.approx(row[f"{prefix}reward_flexible/mean@4"])
+        # flexible scores and the reward's "acc" are 0 or 1, so pass@1 is the mean of the samples
+        for name in ("reward_flexible", "acc"):
+            assert row[f"{prefix}{name}/pass@1"] == pytest.approx(row[f"{prefix}{name}/mean@4"])
     logged = metrics_by_step(hf_run)  # the run validated before training (step 0) and at step 2
     for name in ("reward", "reward_flexible"):
         key = f"{prefix}{name}/mean@1"

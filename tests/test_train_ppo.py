@@ -40,7 +40,7 @@ METRICS = [
 # what only the actor's update logs (the policy's entropy comes from the old log-prob pass, every step)
 ACTOR_ONLY = [k for k in METRICS if k.startswith("actor/") and "reward_kl" not in k and k != "actor/entropy"] + [
     "timing_s/update_actor", "perf/mfu/actor"]
-STEP2_ONLY = ["timing_s/testing", "val-core/openai/gsm8k/reward/mean@1"]
+STEP2_ONLY = ["timing_s/testing", "val-core/openai/gsm8k/reward/mean@1", "val-core/openai/gsm8k/acc/mean@1"]
 
 
 def flags(assets, out_dir, engine, steps, resume="disable", *extra):
@@ -162,6 +162,7 @@ def test_rollout_and_validation_data_dirs_hold_every_response(assets, hf_run):
     rows = test_train_grpo.read_jsonl(dumps / "val" / "2.jsonl")
     assert len(rows) == 8 and sum(r["score"] for r in rows) / 8 == pytest.approx(
         m[2]["val-core/openai/gsm8k/reward/mean@1"])
+    assert sum(r["acc"] for r in rows) / 8 == pytest.approx(m[2]["val-core/openai/gsm8k/acc/mean@1"])
     data = pq.read_table(assets["data"] / "test.parquet").to_pylist()[:8]
     assert [r["gts"] for r in rows] == [d["reward_model"]["ground_truth"] for d in data]
 
