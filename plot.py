@@ -4,13 +4,13 @@
 RUN is a run folder (the trainer's --default_local_dir, holding metrics.jsonl) or a .jsonl file;
 runs are named by their folder (or file) in the legend, or by --labels, one per run. Panels, against
 the step: the training score (critic/score/mean), validation (val-core/<data_source>/reward/mean@1,
-dashed: reward_flexible), response length, the KL term (actor/kl_loss, or actor/reward_kl_penalty
-when the KL is in the reward) and the policy's entropy (against the training time instead with
-`--x minutes`: the sum of the steps' `timing_s/step` so far, which compares runs whose steps take
-different times, as a budget of minutes does); and where each step's time goes
-(timing_s/gen, old_log_prob, ref, values, adv, update_critic, update_actor, update_weights) as
-stacked bars: one bar per step for one run, the median of each phase for several (a step that
-compiles does not skew it).
+dashed: reward_flexible, dotted: acc, the strict score of a shaped reward), response length, the KL
+term (actor/kl_loss, or actor/reward_kl_penalty when the KL is in the reward) and the policy's entropy
+(against the training time instead with `--x minutes`: the sum of the steps' `timing_s/step` so far,
+which compares runs whose steps take different times, as a budget of minutes does); and where each
+step's time goes (timing_s/gen, old_log_prob, ref, values, adv, update_critic, update_actor,
+update_weights) as stacked bars: one bar per step for one run, the median of each phase for several
+(a step that compiles does not skew it).
 Metrics a run does not log (GRPO has no critic) are left out.
 """
 
@@ -90,18 +90,21 @@ def draw_lines(ax, runs, title, keys, colors, x="step"):
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
+VAL_STYLES = {"reward": ("", "-"), "reward_flexible": (" (flexible)", "--"), "acc": (" (acc)", ":")}
+
+
 def draw_validation(ax, runs, colors, x="step"):
-    """Each run's greedy validation score per data source, dashed where flexible. The colour names
-    the run (the figure's legend); this panel's legend names the data sources and line styles."""
+    """Each run's greedy validation score per data source, dashed where flexible, dotted for "acc". The
+    colour names the run (the figure's legend); this panel's legend names the data sources and line styles."""
     styles = {}  # legend label -> line style, in drawing order
     for (name, rows), color in zip(runs, colors):
         keys = sorted({k for r in rows.values() for k in r if k.startswith("val-core/") and k.endswith("/mean@1")})
         for key in keys:
             steps, values = series(rows, key, x)
-            flexible = "/reward_flexible/" in key
-            label = "/".join(key.split("/")[1:-2]) + (" (flexible)" if flexible else "")
-            styles[label] = "--" if flexible else "-"
-            ax.plot(steps, values, color=color, linestyle=styles[label], marker="o", markersize=3)
+            source, score, _ = key.split("/", 1)[1].rsplit("/", 2)  # val-core/<source>/<score>/mean@1
+            suffix, style = VAL_STYLES.get(score, (f" ({score})", "-."))
+            styles[source + suffix] = style
+            ax.plot(steps, values, color=color, linestyle=style, marker="o", markersize=3)
     ax.set_title("validation, greedy (val-core/*/reward/mean@1)", fontsize=10)
     ax.set_xlabel(X_LABELS[x])
     if styles:

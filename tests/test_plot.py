@@ -64,6 +64,12 @@ def test_labels_name_the_runs_and_the_validation_legend_names_line_styles(tmp_pa
     assert [t.get_text() for t in validation.get_legend().get_texts()] == ["arith", "arith (flexible)"]
     assert len(validation.get_lines()) == 6  # strict and flexible for each run
     assert [t.get_text() for t in fig.axes[5].get_xticklabels()] == ["lr 1e-6", "lr 5e-6", "lr 1e-5"]
+    # a shaped reward's strict score ("acc") gets its own line style
+    rows = {0: {"step": 0, "val-core/a/reward/mean@1": 0.1, "val-core/a/acc/mean@1": 0.0}}
+    ax = plot.plt.figure().add_subplot()
+    plot.draw_validation(ax, [("r", rows)], ["C0"])
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a (acc)", "a"]
+    assert [line.get_linestyle() for line in ax.get_lines()] == [":", "-"]
     with pytest.raises(SystemExit, match="2 --labels for 3 runs"):
         plot.plot(runs, tmp_path / "bad.png", labels=["a", "b"])
     assert not (tmp_path / "bad.png").exists()
