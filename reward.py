@@ -85,6 +85,9 @@ def gsm8k_partial_credit(data_source, solution_str, ground_truth, extra_info=Non
     answers from the first step and still prefers the asked-for format within every group. "acc" is the
     strict score, so validation reports strict accuracy as val-core/<source>/acc/mean@1. Use it with
     `--custom_reward_function_path reward.py --custom_reward_function_name gsm8k_partial_credit`.
+    On Qwen2.5-Coder-0.5B-Instruct, which answers in \\boxed{}, it slowed the switch to "#### " instead
+    of speeding learning up: the right \\boxed{} answers took the advantage the rare "#### " ones got
+    under the strict reward (docs/benchmarks.md, "Partial credit").
     """
     if data_source != "openai/gsm8k":
         return compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs)
