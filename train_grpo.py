@@ -97,6 +97,9 @@ class Args:
     gen_batch_size: int = field(default=0, metadata={
         "help": "filter_groups: prompts a generation round takes at most (DAPO: 3 x train_batch_size); "
                 "0: train_batch_size"})
+    filter_groups_from_step: int = field(default=1, metadata={
+        "help": "filter_groups: the first step that filters; the steps before it train on one batch as generated "
+                "(while the reward is still 0 almost everywhere, too few groups vary to fill a batch)"})
     # memory
     enable_gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations"})
     param_offload: bool = field(default=False, metadata={"help": "actor params, grads and optimizer on CPU"})
@@ -554,6 +557,9 @@ def check_args(args, world_size):
          f"--train_batch_size {args.train_batch_size} must be divisible by the number of GPUs {world_size}")
     need(args.gen_batch_size in (0, args.train_batch_size) or args.filter_groups,
          "--gen_batch_size only applies with --filter_groups: without it a step trains on every prompt it generates")
+    need(args.filter_groups_from_step == 1 or args.filter_groups,
+         "--filter_groups_from_step only applies with --filter_groups")
+    need(args.filter_groups_from_step >= 1, f"--filter_groups_from_step {args.filter_groups_from_step} must be >= 1")
     need(args.gen_batch_size >= 0 and args.gen_batch_size % world_size == 0,
          f"--gen_batch_size {args.gen_batch_size} must be 0 or a multiple of the number of GPUs {world_size}")
     need(args.ppo_mini_batch_size <= args.train_batch_size,
@@ -869,11 +875,14 @@ def main(args):
             # 2 score: rule or user reward per response, in the same call
             with timer("gen"):
                 groups, n_errors, rounds, n_prompts, n_all_equal, n_none, n_all, gen_tokens = [], 0, 0, 0, 0, 0, 0, 0
+                filtering = args.filter_groups and step >= args.filter_groups_from_step
                 while len(groups) < B:
                     rounds += 1
                     prompts = next_prompts()
-                    if args.filter_groups:  # the rounds after the first generate only what the step still needs
+                    if filtering:  # the rounds after the first generate only what the step still needs
                         prompts = prompts[:round_size(B - len(groups), len(groups), n_prompts, G, world)]
+                    else:  # one batch (a round of --gen_batch_size > B before --filter_groups_from_step)
+                        prompts = prompts[:B]
                     n_prompts += len(prompts)
                     new, errs = rollout(engine, prompts, args, tokenizer, reward_fn,
                                         seed=hash((args.seed, step, rounds, engine.dp_rank)) % 2**31, n=n,
@@ -884,14 +893,14 @@ def main(args):
                     n_all_equal += sum(equal)
                     n_none += sum(max(g["scores"]) <= 0 for g in new)  # too hard for the policy, for now
                     n_all += sum(min(g["scores"]) >= 1 for g in new)  # learned
-                    if args.filter_groups:  # DAPO's dynamic sampling: keep the others, generate more
+                    if filtering:  # DAPO's dynamic sampling: keep the others, generate more
                         new = [g for g, e in zip(new, equal) if not e]
                         if 0 < args.max_num_gen_batches <= rounds and len(groups) + len(new) < B:
                             raise RuntimeError(
                                 f"step {step}: --filter_groups kept {len(groups) + len(new)} of {B} groups after "
                                 f"{rounds} generation rounds (--max_num_gen_batches); all-equal scores dominate: "
-                                "check the reward, raise --rollout_n or --max_num_gen_batches, or train without "
-                                "--filter_groups until the reward varies and resume with it")
+                                "check the reward, raise --rollout_n or --max_num_gen_batches, or start filtering "
+                                "once the reward varies (--filter_groups_from_step)")
                     groups += new
                 groups = groups[:B]
                 engine.sleep()

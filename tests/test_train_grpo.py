@@ -262,6 +262,22 @@ def test_filter_groups_trains_only_on_groups_with_signal(assets, tmp_path):
     assert proc.returncode != 0 and "after 1 generation rounds (--max_num_gen_batches)" in proc.output
 
 
+def test_filter_groups_from_step_trains_on_one_batch_before_it(assets, tmp_path):
+    (tmp_path / "binary.py").write_text(BINARY_REWARD)
+    out = tmp_path / "run"
+    proc = launch(flags(assets, out, "hf", 3, "disable", "--filter_groups", "--filter_groups_from_step", "3",
+                        "--gen_batch_size", "8", "--max_num_gen_batches", "0", "--custom_reward_function_path",
+                        str(tmp_path / "binary.py"), "--val_before_train", "false", "--test_freq", "-1",
+                        "--export_final", "false", "--save_freq", "-1"))
+    assert proc.returncode == 0, proc.output[-6000:]
+    m = metrics_by_step(out)
+    for step in (1, 2):  # one batch of 4 prompts, out of a round of 8, all-equal groups kept
+        assert m[step]["rollout/gen_rounds"] == 1 and m[step]["rollout/gen_prompts"] == 4
+    assert any(m[s]["rollout/all_equal_groups"] > 0 for s in (1, 2))  # a filtering step would have dropped it
+    # from step 3 on it filters: a first round of 8 prompts, and only groups with signal kept
+    assert m[3]["rollout/gen_prompts"] >= 8 and m[3]["critic/score/mean"] == 0.5
+
+
 def test_round_size_by_hand():
     # nothing kept yet: the whole batch
     assert train_grpo.round_size(256, 0, 0, 256, 1) == 256
