@@ -7,7 +7,8 @@ eq. 7) plus a KL penalty to a frozen reference model added to the loss (verl's `
 k3 = `low_var_kl` by default). No critic. Variants behind flags: Dr.GRPO (Liu et al. 2025,
 `--norm_adv_by_std_in_grpo false`, `--loss_agg_mode seq-mean-token-sum-norm`), DAPO's
 clip-higher and dynamic sampling (Yu et al. 2025, `--clip_ratio_high`, `--filter_groups`,
-`--gen_batch_size`) and dual-clip (Ye et al. 2020, `--clip_ratio_c`). Left out: reward models
+`--gen_batch_size`), GRESO's selective rollout (Zheng et al. 2025, `--skip_all_equal`) and dual-clip
+(Ye et al. 2020, `--clip_ratio_c`). Left out: reward models
 (rule and user functions only), multi-turn rollouts, sequence parallelism.
 
 Run: torchrun --nproc_per_node=8 train_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct
@@ -100,6 +101,12 @@ class Args:
     filter_groups_from_step: int = field(default=1, metadata={
         "help": "filter_groups: the first step that filters; the steps before it train on one batch as generated "
                 "(while the reward is still 0 almost everywhere, too few groups vary to fill a batch)"})
+    skip_all_equal: bool = field(default=False, metadata={
+        "help": "filter_groups: GRESO's selective rollout: on filtering steps, skip before generating a prompt "
+                "whose latest groups all scored all-equal, as the filter would drop its group again"})
+    skip_explore_prob: float = field(default=0.5, metadata={
+        "help": "skip_all_equal: a prompt whose last z groups in a row scored all-equal is generated anyway "
+                "with probability P**z"})
     # memory
     enable_gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations"})
     param_offload: bool = field(default=False, metadata={"help": "actor params, grads and optimizer on CPU"})
@@ -560,6 +567,10 @@ def check_args(args, world_size):
     need(args.filter_groups_from_step == 1 or args.filter_groups,
          "--filter_groups_from_step only applies with --filter_groups")
     need(args.filter_groups_from_step >= 1, f"--filter_groups_from_step {args.filter_groups_from_step} must be >= 1")
+    need(not args.skip_all_equal or args.filter_groups,
+         "--skip_all_equal only applies with --filter_groups: it skips the prompts the filter would drop")
+    need(0 < args.skip_explore_prob <= 1, f"--skip_explore_prob {args.skip_explore_prob} must be in (0, 1]: at 0 "
+         "a prompt once all-equal would never be generated again")
     need(args.gen_batch_size >= 0 and args.gen_batch_size % world_size == 0,
          f"--gen_batch_size {args.gen_batch_size} must be 0 or a multiple of the number of GPUs {world_size}")
     need(args.ppo_mini_batch_size <= args.train_batch_size,
@@ -668,6 +679,20 @@ def round_size(missing, kept, generated, G, world):
         return G
     k = -(-missing * generated * 6 // (kept * 5))  # ceil(missing / (kept / generated) * 1.2)
     return min(G, -(-k // world) * world)
+
+
+def selective_rollout(indices, streak, explore, seed, world):
+    """GRESO's pre-rollout skip (Zheng et al. 2025): the prompts of `indices` to generate.
+
+    A prompt whose last z groups in a row scored all-equal (`streak[i]` = z) is kept with probability
+    explore**z, any other always; the draw is seeded, so every rank keeps the same prompts. The kept
+    ones are cut to a multiple of the ranks (each generates an equal share), in their order.
+    Example: streaks [0, 1, 2] with explore 0.5 keep the first always, the second half the time and
+    the third a quarter of the time.
+    """
+    draw = random.Random(seed)
+    kept = [i for i in indices if streak[i] == 0 or draw.random() < explore ** streak[i]]
+    return kept[:len(kept) // world * world]
 
 
 def rollout(engine, examples, args, tokenizer, reward_fn, seed, n, temperature):
@@ -809,6 +834,8 @@ def main(args):
                                   betas=(0.9, 0.999))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, total_steps))
     step, epoch, batch_idx = 0, 0, 0
+    # per train prompt: how many of its latest groups in a row scored all-equal on filtering steps
+    streak = [0] * (len(train) if train else 0)
     resume = sharding.latest_checkpoint(args.default_local_dir) if args.resume_mode == "auto" else (
         None if args.resume_mode == "disable" else args.resume_mode)
     if resume:
@@ -817,6 +844,8 @@ def main(args):
         # batch_idx counts rounds of the saved --gen_batch_size; with another, go on from the first round
         # that starts past the prompts already used this epoch
         batch_idx = -(-batch_idx * state.get("gen_batch_size", args.train_batch_size) // G)
+        for i, z in state.get("all_equal_streak", {}).items():  # JSON made the prompt indices strings
+            streak[int(i)] = z
         if rank == 0:
             print(f"resumed from {resume} (step {step})", flush=True)
     if step >= total_steps and not args.val_only:
@@ -863,7 +892,7 @@ def main(args):
             epoch, batch_idx = epoch + 1, 0
             order = batch_order(len(train), G, epoch, args.seed)
         batch_idx += 1
-        return [train[i] for i in order[batch_idx - 1]]
+        return order[batch_idx - 1]
 
     stop, stopping = sharding.StopRequest(), False  # a SIGTERM checkpoints the step in progress and stops
     bar = tqdm(total=total_steps, initial=step, disable=rank != 0, desc="steps")
@@ -875,21 +904,31 @@ def main(args):
             # 2 score: rule or user reward per response, in the same call
             with timer("gen"):
                 groups, n_errors, rounds, n_prompts, n_all_equal, n_none, n_all, gen_tokens = [], 0, 0, 0, 0, 0, 0, 0
+                n_drawn, n_skipped = 0, 0
                 filtering = args.filter_groups and step >= args.filter_groups_from_step
                 while len(groups) < B:
                     rounds += 1
-                    prompts = next_prompts()
+                    indices = next_prompts()
+                    n_drawn += len(indices)
+                    if filtering and args.skip_all_equal:  # skip what the filter would likely drop
+                        kept = selective_rollout(indices, streak, args.skip_explore_prob,
+                                                 hash((args.seed, step, rounds)) % 2**31, world)
+                        n_skipped += len(indices) - len(kept)
+                        indices = kept
                     if filtering:  # the rounds after the first generate only what the step still needs
-                        prompts = prompts[:round_size(B - len(groups), len(groups), n_prompts, G, world)]
+                        indices = indices[:round_size(B - len(groups), len(groups), n_prompts, G, world)]
                     else:  # one batch (a round of --gen_batch_size > B before --filter_groups_from_step)
-                        prompts = prompts[:B]
-                    n_prompts += len(prompts)
-                    new, errs = rollout(engine, prompts, args, tokenizer, reward_fn,
+                        indices = indices[:B]
+                    n_prompts += len(indices)
+                    new, errs = rollout(engine, [train[i] for i in indices], args, tokenizer, reward_fn,
                                         seed=hash((args.seed, step, rounds, engine.dp_rank)) % 2**31, n=n,
-                                        temperature=args.temperature)
+                                        temperature=args.temperature) if indices else ([], 0)  # all skipped
                     n_errors += errs
                     gen_tokens += sum(len(s.token_ids) for g in new for s in g["samples"])  # kept or not
                     equal = [len(set(g["scores"])) == 1 for g in new]  # zero advantage: nothing to learn
+                    if filtering:  # the all-equal streak of each prompt generated, for --skip_all_equal
+                        for i, e in zip(indices, equal):
+                            streak[i] = streak[i] + 1 if e else 0
                     n_all_equal += sum(equal)
                     n_none += sum(max(g["scores"]) <= 0 for g in new)  # too hard for the policy, for now
                     n_all += sum(min(g["scores"]) >= 1 for g in new)  # learned
@@ -986,6 +1025,7 @@ def main(args):
             "rollout/gen_rounds": float(rounds), "rollout/gen_prompts": float(n_prompts),
             "rollout/all_equal_groups": n_all_equal / n_prompts,
             "rollout/solve_none": n_none / n_prompts, "rollout/solve_all": n_all / n_prompts,
+            "rollout/skipped_prompts": n_skipped / n_drawn,
             "reward/errors": float(n_errors),
             "actor/lr": lr,
             "perf/throughput": (prompt_tokens + lengths.sum().item()) / t["timing_s/step"] / world,
@@ -1008,7 +1048,8 @@ def main(args):
             with Timer(metrics, device)("save_checkpoint"):
                 sharding.save_checkpoint(args.default_local_dir, step, {"actor": actor}, {"actor": optimizer},
                                          {"actor": scheduler},
-                                         {"epoch": epoch, "batch_idx": batch_idx, "gen_batch_size": G},
+                                         {"epoch": epoch, "batch_idx": batch_idx, "gen_batch_size": G,
+                                          "all_equal_streak": {i: z for i, z in enumerate(streak) if z}},
                                          keep_last=args.keep_last_checkpoints)
             # one during the checkpoint: the run stops now, the checkpoint holds this step
             stopping = stopping or (not last_step and stop.agreed(device))

@@ -37,6 +37,7 @@ METRICS = [
     "perf/throughput", "perf/mfu/actor", "perf/max_memory_allocated_gb", "rollout/logprob_gap_mean",
     "perf/mfu/old_log_prob", "perf/tflops/actor", "perf/weight_sync_gb_s", "perf/peak_tflops",
     "rollout/gen_rounds", "rollout/gen_prompts", "rollout/all_equal_groups", "rollout/solve_none", "rollout/solve_all",
+    "rollout/skipped_prompts",
 ]
 STEP2_ONLY = ["timing_s/testing", "val-core/openai/gsm8k/reward/mean@1", "val-core/openai/gsm8k/reward_flexible/mean@1",
               "val-core/openai/gsm8k/acc/mean@1"]
@@ -276,6 +277,64 @@ def test_filter_groups_from_step_trains_on_one_batch_before_it(assets, tmp_path)
     assert any(m[s]["rollout/all_equal_groups"] > 0 for s in (1, 2))  # a filtering step would have dropped it
     # from step 3 on it filters: a first round of 8 prompts, and only groups with signal kept
     assert m[3]["rollout/gen_prompts"] >= 8 and m[3]["critic/score/mean"] == 0.5
+
+
+def test_skip_all_equal_generates_again_only_prompts_that_had_signal(assets, tmp_path):
+    # the binary reward, also writing down each response's train prompt (extra_info's index) and score
+    log = tmp_path / "scored.txt"
+    (tmp_path / "logged.py").write_text(BINARY_REWARD + f"""
+
+_score = compute_score
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    score = _score(data_source, solution_str, ground_truth, extra_info)
+    with open({str(log)!r}, "a") as f:
+        f.write(f"{{extra_info['index']}} {{score}}\\n")
+    return score
+""")
+    out = tmp_path / "run"
+    # explore 1e-9: a prompt whose last group was all-equal is never generated again
+    run = ("--filter_groups", "--skip_all_equal", "--skip_explore_prob", "1e-9", "--max_num_gen_batches", "0",
+           "--custom_reward_function_path", str(tmp_path / "logged.py"), "--val_before_train", "false",
+           "--test_freq", "-1", "--export_final", "false")
+    proc = launch(flags(assets, out, "hf", 2, "disable", *run))  # epoch 1 (24 prompts): nothing to skip yet
+    assert proc.returncode == 0, proc.output[-6000:]
+    proc = launch(flags(assets, out, "hf", 4, "auto", *run))  # resumed: the streaks come from the checkpoint
+    assert proc.returncode == 0, proc.output[-6000:]
+    m = metrics_by_step(out)
+    assert m[1]["rollout/skipped_prompts"] == 0
+    assert m[4]["training/epoch"] >= 1 and m[4]["rollout/skipped_prompts"] > 0
+    # each prompt's visits in order: one prompt is scored by one rank, its 2 responses one after the other
+    visits = {}
+    for line in log.read_text().split("\n")[:-1]:
+        index, score = line.split()
+        visits.setdefault(int(index), []).append(float(score))
+    visits = {i: [tuple(s[k:k + 2]) for k in range(0, len(s), 2)] for i, s in visits.items()}
+    again = [v for v in visits.values() if len(v) > 1]
+    assert again, "no prompt was generated twice: the run did not reach its second epoch"
+    # a prompt was generated again only if its previous group had signal (one 0 and one 1)
+    assert all(a != b for v in again for a, b in v[:-1]), again
+    # and epoch 1 left prompts that were all-equal, which epoch 2 skipped
+    assert any(a == b for v in visits.values() for a, b in v[:1])
+
+
+def test_selective_rollout_by_hand():
+    # streaks [1, 1, 1, 0], explore 0.5: Random(0) draws 0.844, 0.758, 0.421 for the first three (kept below
+    # 0.5); the fourth is kept without a draw
+    assert train_grpo.selective_rollout([0, 1, 2, 3], [1, 1, 1, 0], 0.5, 0, 1) == [2, 3]
+    # the same on 2 ranks; on 3 the kept ones are cut to a multiple of 3: none
+    assert train_grpo.selective_rollout([0, 1, 2, 3], [1, 1, 1, 0], 0.5, 0, 2) == [2, 3]
+    assert train_grpo.selective_rollout([0, 1, 2, 3], [1, 1, 1, 0], 0.5, 0, 3) == []
+    # streak 2 at explore 0.5: a draw below 0.25 keeps it; 0.844, 0.758, 0.421 skip all three
+    assert train_grpo.selective_rollout([0, 1, 2, 3], [2, 2, 2, 0], 0.5, 0, 1) == [3]
+    # no streak, or explore 1: every prompt, in its order
+    assert train_grpo.selective_rollout([5, 3, 9, 1], [0] * 10, 0.01, 7, 2) == [5, 3, 9, 1]
+    assert train_grpo.selective_rollout([5, 3, 9, 1], [3] * 10, 1.0, 7, 2) == [5, 3, 9, 1]
+    # over many prompts the kept share is explore**streak
+    many = range(20000)
+    assert len(train_grpo.selective_rollout(many, [1] * 20000, 0.5, 1, 1)) == pytest.approx(10000, rel=0.03)
+    assert len(train_grpo.selective_rollout(many, [2] * 20000, 0.5, 1, 1)) == pytest.approx(5000, rel=0.05)
 
 
 def test_round_size_by_hand():
