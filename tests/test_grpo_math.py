@@ -327,7 +327,8 @@ def test_check_args_accepts_a_good_config_and_fills_defaults():
     (dict(filter_groups_from_step=8), 2, "--filter_groups_from_step only applies with --filter_groups"),
     (dict(filter_groups_from_step=0, filter_groups=True), 2, "--filter_groups_from_step 0 must be >= 1"),
     (dict(skip_all_equal=True), 2, "--skip_all_equal only applies with --filter_groups"),
-    (dict(skip_all_equal=True, filter_groups=True, skip_explore_prob=0.0), 2, r"--skip_explore_prob 0.0 must be in \(0, 1\]"),
+    (dict(skip_all_equal=True, filter_groups=True, skip_explore_prob=0.0), 2,
+     r"--skip_explore_prob 0.0 must be in \(0, 1\]"),
 ])
 def test_check_args_names_the_flag(kw, world, flag):
     with pytest.raises(SystemExit, match=flag):
