@@ -845,7 +845,8 @@ def main(args):
         # that starts past the prompts already used this epoch
         batch_idx = -(-batch_idx * state.get("gen_batch_size", args.train_batch_size) // G)
         for i, z in state.get("all_equal_streak", {}).items():  # JSON made the prompt indices strings
-            streak[int(i)] = z
+            if int(i) < len(streak):  # (--train_files may have changed since)
+                streak[int(i)] = z
         if rank == 0:
             print(f"resumed from {resume} (step {step})", flush=True)
     if step >= total_steps and not args.val_only:
