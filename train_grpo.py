@@ -103,7 +103,7 @@ class Args:
                 "(while the reward is still 0 almost everywhere, too few groups vary to fill a batch)"})
     skip_all_equal: bool = field(default=False, metadata={
         "help": "filter_groups: GRESO's selective rollout: on filtering steps, skip before generating a prompt "
-                "whose latest groups all scored all-equal, as the filter would drop its group again"})
+                "whose latest group scored all-equal (the filter would likely drop its group again)"})
     skip_explore_prob: float = field(default=0.5, metadata={
         "help": "skip_all_equal: a prompt whose last z groups in a row scored all-equal is generated anyway "
                 "with probability P**z"})
