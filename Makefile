@@ -20,9 +20,11 @@ ifeq ($(GPU),cpu)
 endif
 	touch $@
 
-# The whole CPU suite: unit tests, torchrun multi-process tests and end-to-end train steps.
+# The whole CPU suite: unit tests, torchrun multi-process tests and end-to-end train steps, in
+# TEST_WORKERS processes (a test file stays in one, so its module fixtures are built once).
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile
 
 # GPU-only checks (skip cleanly without a GPU): the engine on NCCL with sleep mode, bf16 parity.
 # GPU targets do not install: GPU machines may be offline (see docs/gpu.md for staging vLLM there).

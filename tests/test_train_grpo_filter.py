@@ -1,0 +1,187 @@
+"""train_grpo.py's dynamic sampling end to end on CPU (`--filter_groups`, `--filter_groups_from_step`,
+`--gen_batch_size`, `--skip_all_equal`), two ranks under torchrun with gloo, and its arithmetic by hand.
+
+The same fixture as tests/test_train_grpo.py (24 GSM8K-shaped prompts, the tiny random Qwen2), with a
+0/1 reward by a checksum of the response, so that a group of 2 responses ties about half the time.
+"""
+
+import pytest
+
+import train_grpo
+from tests import test_train_grpo
+from tests.test_train_grpo import flags, launch, metrics_by_step
+
+assets = test_train_grpo.assets  # the same fixture: parquet files, tiny model, reward file
+
+
+BINARY_REWARD = '''
+import zlib
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """1 or 0 by a checksum of the response: the two responses of a group tie about half the time."""
+    return float(zlib.crc32(solution_str.encode()) % 2)
+'''
+
+
+def test_filter_groups_trains_only_on_groups_with_signal(assets, tmp_path):
+    (tmp_path / "binary.py").write_text(BINARY_REWARD)
+    out = tmp_path / "run"
+    filtered = ("--filter_groups", "--custom_reward_function_path", str(tmp_path / "binary.py"),
+                "--val_before_train", "false", "--test_freq", "-1", "--export_final", "false")
+    # 0: as many rounds as it takes (verl's meaning)
+    proc = launch(flags(assets, out, "hf", 2, "disable", *filtered, "--max_num_gen_batches", "0"))
+    assert proc.returncode == 0, proc.output[-6000:]
+    m = metrics_by_step(out)
+    for step in (1, 2):
+        # groups of 2 responses scored 0 or 1: a kept group holds one of each, so the batch's mean is 1/2
+        assert m[step]["critic/score/mean"] == 0.5
+        # the first round generates the whole batch of 4 prompts, later ones what is still missing (at
+        # least 2, one per rank); the step kept 4 groups with signal, and needed a second round only if
+        # the first held an all-equal group
+        rounds, prompts = m[step]["rollout/gen_rounds"], m[step]["rollout/gen_prompts"]
+        share = m[step]["rollout/all_equal_groups"]
+        assert 4 + 2 * (rounds - 1) <= prompts <= 4 * rounds
+        assert (rounds > 1) / prompts <= share <= 1 - 4 / prompts
+        # a 0/1 reward: an all-equal group scored all 0 or all 1
+        assert m[step]["rollout/solve_none"] + m[step]["rollout/solve_all"] == pytest.approx(share)
+        # the generation rate counts every round's tokens, the dropped groups' too: 8 responses of at most
+        # 16 tokens a round, of which the 8 kept ones are response_length/mean long on average
+        generated = m[step]["perf/gen_tokens_per_s"] * m[step]["timing_s/gen"]
+        kept = m[step]["response_length/mean"] * 8
+        assert kept * (1 - 1e-6) <= generated <= prompts * 2 * 16 * (1 + 1e-6)
+        assert rounds == 1 or generated > kept
+    assert max(m[s]["rollout/gen_rounds"] for s in (1, 2)) > 1  # the filter dropped groups and generated more
+    # the step that needed a second round stops at a limit of one, and says which flag to change
+    proc = launch(flags(assets, tmp_path / "limited", "hf", 2, "disable", *filtered, "--max_num_gen_batches", "1"))
+    assert proc.returncode != 0 and "after 1 generation rounds (--max_num_gen_batches)" in proc.output
+
+
+def test_filter_groups_from_step_trains_on_one_batch_before_it(assets, tmp_path):
+    (tmp_path / "binary.py").write_text(BINARY_REWARD)
+    out = tmp_path / "run"
+    proc = launch(flags(assets, out, "hf", 3, "disable", "--filter_groups", "--filter_groups_from_step", "3",
+                        "--gen_batch_size", "8", "--max_num_gen_batches", "0", "--custom_reward_function_path",
+                        str(tmp_path / "binary.py"), "--val_before_train", "false", "--test_freq", "-1",
+                        "--export_final", "false", "--save_freq", "-1"))
+    assert proc.returncode == 0, proc.output[-6000:]
+    m = metrics_by_step(out)
+    for step in (1, 2):  # one batch of 4 prompts, out of a round of 8, all-equal groups kept
+        assert m[step]["rollout/gen_rounds"] == 1 and m[step]["rollout/gen_prompts"] == 4
+    assert any(m[s]["rollout/all_equal_groups"] > 0 for s in (1, 2))  # a filtering step would have dropped it
+    # from step 3 on it filters: a first round of 8 prompts, and only groups with signal kept
+    assert m[3]["rollout/gen_prompts"] >= 8 and m[3]["critic/score/mean"] == 0.5
+
+
+def test_skip_all_equal_generates_again_only_prompts_that_had_signal(assets, tmp_path):
+    # the binary reward, also writing down each response's train prompt (extra_info's index) and score
+    log = tmp_path / "scored.txt"
+    (tmp_path / "logged.py").write_text(BINARY_REWARD + f"""
+
+_score = compute_score
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    score = _score(data_source, solution_str, ground_truth, extra_info)
+    with open({str(log)!r}, "a") as f:
+        f.write(f"{{extra_info['index']}} {{score}}\\n")
+    return score
+""")
+    out = tmp_path / "run"
+    # explore 1e-9: a prompt whose last group was all-equal is never generated again
+    run = ("--filter_groups", "--skip_all_equal", "--skip_explore_prob", "1e-9", "--max_num_gen_batches", "0",
+           "--custom_reward_function_path", str(tmp_path / "logged.py"), "--val_before_train", "false",
+           "--test_freq", "-1", "--export_final", "false")
+    proc = launch(flags(assets, out, "hf", 2, "disable", *run))  # epoch 1 (24 prompts): nothing to skip yet
+    assert proc.returncode == 0, proc.output[-6000:]
+    proc = launch(flags(assets, out, "hf", 4, "auto", *run))  # resumed: the streaks come from the checkpoint
+    assert proc.returncode == 0, proc.output[-6000:]
+    m = metrics_by_step(out)
+    assert m[1]["rollout/skipped_prompts"] == 0
+    assert m[4]["training/epoch"] >= 1 and m[4]["rollout/skipped_prompts"] > 0
+    # each prompt's visits in order: one prompt is scored by one rank, its 2 responses one after the other
+    visits = {}
+    for line in log.read_text().split("\n")[:-1]:
+        index, score = line.split()
+        visits.setdefault(int(index), []).append(float(score))
+    visits = {i: [tuple(s[k:k + 2]) for k in range(0, len(s), 2)] for i, s in visits.items()}
+    again = [v for v in visits.values() if len(v) > 1]
+    assert again, "no prompt was generated twice: the run did not reach its second epoch"
+    # a prompt was generated again only if its previous group had signal (one 0 and one 1)
+    assert all(a != b for v in again for a, b in v[:-1]), again
+    # and epoch 1 left prompts that were all-equal, which epoch 2 skipped
+    assert any(a == b for v in visits.values() for a, b in v[:1])
+
+
+def test_selective_rollout_by_hand():
+    # streaks [1, 1, 1, 0], explore 0.5: Random(0) draws 0.844, 0.758, 0.421 for the first three (kept below
+    # 0.5); the fourth is kept without a draw
+    assert train_grpo.selective_rollout([0, 1, 2, 3], [1, 1, 1, 0], 0.5, 0, 1) == [2, 3]
+    # the same on 2 ranks; on 3 the kept ones are cut to a multiple of 3: none
+    assert train_grpo.selective_rollout([0, 1, 2, 3], [1, 1, 1, 0], 0.5, 0, 2) == [2, 3]
+    assert train_grpo.selective_rollout([0, 1, 2, 3], [1, 1, 1, 0], 0.5, 0, 3) == []
+    # streak 2 at explore 0.5: a draw below 0.25 keeps it; 0.844, 0.758, 0.421 skip all three
+    assert train_grpo.selective_rollout([0, 1, 2, 3], [2, 2, 2, 0], 0.5, 0, 1) == [3]
+    # no streak, or explore 1: every prompt, in its order
+    assert train_grpo.selective_rollout([5, 3, 9, 1], [0] * 10, 0.01, 7, 2) == [5, 3, 9, 1]
+    assert train_grpo.selective_rollout([5, 3, 9, 1], [3] * 10, 1.0, 7, 2) == [5, 3, 9, 1]
+    # over many prompts the kept share is explore**streak
+    many = range(20000)
+    assert len(train_grpo.selective_rollout(many, [1] * 20000, 0.5, 1, 1)) == pytest.approx(10000, rel=0.03)
+    assert len(train_grpo.selective_rollout(many, [2] * 20000, 0.5, 1, 1)) == pytest.approx(5000, rel=0.05)
+
+
+def test_round_size_by_hand():
+    # nothing kept yet: the whole batch
+    assert train_grpo.round_size(256, 0, 0, 256, 1) == 256
+    assert train_grpo.round_size(200, 0, 256, 256, 1) == 256
+    # 26 missing after 230 of 512 kept: 26 / (230 / 512) * 1.2 = 69.46 -> 70; on 4 ranks 72
+    assert train_grpo.round_size(26, 230, 512, 256, 1) == 70
+    assert train_grpo.round_size(26, 230, 512, 256, 4) == 72
+    # 141 missing after 115 of 256: 141 / 0.449 * 1.2 = 376.7, more than the batch holds
+    assert train_grpo.round_size(141, 115, 256, 256, 1) == 256
+    assert train_grpo.round_size(141, 115, 256, 768, 8) == 384
+    # exact arithmetic at the boundary: 5 / (5 / 10) * 1.2 = 12 exactly, not 13
+    assert train_grpo.round_size(5, 5, 10, 64, 1) == 12
+
+
+def test_gen_batch_size_generates_rounds_of_at_most_that_many_prompts(assets, tmp_path):
+    # the binary reward, also writing down which train prompt (extra_info's index) each response answers
+    def reward_file(name):
+        log = tmp_path / f"{name}.prompts"
+        (tmp_path / f"{name}.py").write_text(BINARY_REWARD + f"""
+
+_score = compute_score
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    with open({str(log)!r}, "a") as f:
+        f.write(str(extra_info["index"]) + "\\n")
+    return _score(data_source, solution_str, ground_truth, extra_info)
+""")
+        return tmp_path / f"{name}.py", log
+
+    quiet = ("--val_before_train", "false", "--test_freq", "-1", "--export_final", "false")
+    out = tmp_path / "run"
+    first, first_log = reward_file("first")  # 2 steps of 4 prompts, no filter: prompts 0-7 of the epoch's order
+    proc = launch(flags(assets, out, "hf", 2, "disable", "--custom_reward_function_path", str(first), *quiet))
+    assert proc.returncode == 0, proc.output[-6000:]
+    second, second_log = reward_file("second")  # resumed with the filter, rounds of 8 prompts
+    proc = launch(flags(assets, out, "hf", 4, "auto", "--custom_reward_function_path", str(second), "--filter_groups",
+                        "--gen_batch_size", "8", "--max_num_gen_batches", "0", *quiet))
+    assert proc.returncode == 0, proc.output[-6000:]
+    m = metrics_by_step(out)
+    order = train_grpo.batch_order(24, 1, 0, train_grpo.Args.seed)  # the epoch's shuffle, one prompt at a time
+    order = [i for (i,) in order]
+    first_prompts = [int(x) for x in first_log.read_text().split()]
+    assert sorted(first_prompts) == sorted(order[:8] * 2)  # 2 responses per prompt
+    prompts = [int(x) for x in second_log.read_text().split()]
+    generated = [int(m[s]["rollout/gen_prompts"]) for s in (3, 4)]
+    assert len(prompts) == sum(generated) * 2  # 2 responses per prompt generated
+    # the first round after the resume takes the next 8 prompts of the epoch: none of those already used
+    assert sorted(prompts[:16]) == sorted(order[8:16] * 2)
+    for step, g in zip((3, 4), generated):
+        assert m[step]["critic/score/mean"] == 0.5  # the kept groups: one 0 and one 1 each
+        # a step's first round takes a whole batch of 8; it kept 4 groups with signal in all
+        assert 8 <= g <= 8 * m[step]["rollout/gen_rounds"]
+        assert m[step]["rollout/all_equal_groups"] <= 1 - 4 / g
