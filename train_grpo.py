@@ -927,13 +927,12 @@ def main(args):
                     n_errors += errs
                     gen_tokens += sum(len(s.token_ids) for g in new for s in g["samples"])  # kept or not
                     equal = [len(set(g["scores"])) == 1 for g in new]  # zero advantage: nothing to learn
-                    if filtering:  # the all-equal streak of each prompt generated, for --skip_all_equal
-                        for i, e in zip(indices, equal):
-                            streak[i] = streak[i] + 1 if e else 0
                     n_all_equal += sum(equal)
                     n_none += sum(max(g["scores"]) <= 0 for g in new)  # too hard for the policy, for now
                     n_all += sum(min(g["scores"]) >= 1 for g in new)  # learned
                     if filtering:  # DAPO's dynamic sampling: keep the others, generate more
+                        for i, e in zip(indices, equal):  # each prompt's all-equal streak, for --skip_all_equal
+                            streak[i] = streak[i] + 1 if e else 0
                         new = [g for g, e in zip(new, equal) if not e]
                         if 0 < args.max_num_gen_batches <= rounds and len(groups) + len(new) < B:
                             raise RuntimeError(
