@@ -15,6 +15,7 @@ Run: torchrun --nproc_per_node=8 train_grpo.py --model Qwen/Qwen2.5-0.5B-Instruc
 Shapes: B prompts, n samples per prompt, N = B*n sequences, T response tokens, V vocabulary.
 """
 
+import concurrent.futures
 import contextlib
 import importlib.util
 import json
@@ -107,6 +108,11 @@ class Args:
     skip_explore_prob: float = field(default=0.5, metadata={
         "help": "skip_all_equal: a prompt whose last z groups in a row scored all-equal is generated anyway "
                 "with probability P**z"})
+    one_step_off_policy: bool = field(default=False, metadata={
+        "help": "generate the next step's batch while this step trains, with the weights from before this step's "
+                "update (one-step off-policy, as verl's recipe of that name): the GPU trains while vLLM's host-bound "
+                "scheduler runs. The engine stays awake, so give it less memory (--gpu_memory_utilization 0.3 on "
+                "an H200)"})
     # memory
     enable_gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations"})
     param_offload: bool = field(default=False, metadata={"help": "actor params, grads and optimizer on CPU"})
@@ -405,12 +411,12 @@ def all_sum(*values, device):
     return t.tolist()
 
 
-def gather_objects(obj):
-    """Every rank's `obj`, in rank order, on every rank."""
+def gather_objects(obj, group=None):
+    """Every rank's `obj`, in rank order, on every rank (over `group`, default: the default group)."""
     if not dist.is_initialized():
         return [obj]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -578,6 +584,9 @@ def check_args(args, world_size):
     need(args.ppo_mini_batch_size * args.rollout_n % world_size == 0,
          f"--ppo_mini_batch_size x --rollout_n ({args.ppo_mini_batch_size * args.rollout_n}) must be divisible by "
          f"the number of GPUs {world_size}")
+    need(not args.one_step_off_policy or args.tensor_model_parallel_size == 1,
+         "--one_step_off_policy needs --tensor_model_parallel_size 1: the engine's tensor-parallel collectives would "
+         "run beside the trainer's in another thread, in no fixed order between ranks")
     need(args.max_num_seqs >= 1, f"--max_num_seqs {args.max_num_seqs} must be at least 1")
     need(world_size % args.tensor_model_parallel_size == 0,
          f"--tensor_model_parallel_size {args.tensor_model_parallel_size} must divide the number of GPUs {world_size}")
@@ -695,7 +704,7 @@ def selective_rollout(indices, streak, explore, seed, world):
     return kept[:len(kept) // world * world]
 
 
-def rollout(engine, examples, args, tokenizer, reward_fn, seed, n, temperature):
+def rollout(engine, examples, args, tokenizer, reward_fn, seed, n, temperature, group=None):
     """Generate n responses per prompt and score them; returns the groups of all ranks, in order.
 
     Each tensor-parallel group generates its share of `examples` (the same list on every rank);
@@ -721,7 +730,7 @@ def rollout(engine, examples, args, tokenizer, reward_fn, seed, n, temperature):
         k = slice(i * n, (i + 1) * n)
         groups.append(dict(example=e, samples=out, texts=texts[k], scores=scores[k], flexible=flexible[k],
                            extras={key: v[k] for key, v in extras.items()}))
-    gathered = gather_objects((groups, n_errors))
+    gathered = gather_objects((groups, n_errors), group)
     return [g for gs, _ in gathered for g in gs], sum(e for _, e in gathered)
 
 
@@ -895,6 +904,66 @@ def main(args):
         batch_idx += 1
         return order[batch_idx - 1]
 
+    def generate_batch(step):
+        """Step `step`'s batch: B groups of n scored responses, in generation rounds until B groups are kept
+        (with --filter_groups, only groups whose scores vary), and the rollout/* counts. With
+        --one_step_off_policy it runs in a second thread, beside the previous step's training."""
+        t0 = time.perf_counter()
+        groups, n_errors, rounds, n_prompts, n_all_equal, n_none, n_all, gen_tokens = [], 0, 0, 0, 0, 0, 0, 0
+        n_drawn, n_skipped = 0, 0
+        filtering = args.filter_groups and step >= args.filter_groups_from_step
+        while len(groups) < B:
+            rounds += 1
+            indices = next_prompts()
+            n_drawn += len(indices)
+            if filtering and args.skip_all_equal:  # skip what the filter would likely drop
+                kept = selective_rollout(indices, streak, args.skip_explore_prob,
+                                         hash((args.seed, step, rounds)) % 2**31, world)
+                n_skipped += len(indices) - len(kept)
+                indices = kept
+            if filtering:  # the rounds after the first generate only what the step still needs
+                indices = indices[:round_size(B - len(groups), len(groups), n_prompts, G, world)]
+            else:  # one batch (a round of --gen_batch_size > B before --filter_groups_from_step)
+                indices = indices[:B]
+            n_prompts += len(indices)
+            new, errs = rollout(engine, [train[i] for i in indices], args, tokenizer, reward_fn,
+                                seed=hash((args.seed, step, rounds, engine.dp_rank)) % 2**31, n=n,
+                                temperature=args.temperature, group=gen_group) if indices else ([], 0)  # all skipped
+            n_errors += errs
+            gen_tokens += sum(len(s.token_ids) for g in new for s in g["samples"])  # kept or not
+            equal = [len(set(g["scores"])) == 1 for g in new]  # zero advantage: nothing to learn
+            n_all_equal += sum(equal)
+            n_none += sum(max(g["scores"]) <= 0 for g in new)  # too hard for the policy, for now
+            n_all += sum(min(g["scores"]) >= 1 for g in new)  # learned
+            if filtering:  # DAPO's dynamic sampling: keep the others, generate more
+                for i, e in zip(indices, equal):  # each prompt's all-equal streak, for --skip_all_equal
+                    streak[i] = streak[i] + 1 if e else 0
+                new = [g for g, e in zip(new, equal) if not e]
+                if 0 < args.max_num_gen_batches <= rounds and len(groups) + len(new) < B:
+                    raise RuntimeError(
+                        f"step {step}: --filter_groups kept {len(groups) + len(new)} of {B} groups after "
+                        f"{rounds} generation rounds (--max_num_gen_batches); all-equal scores dominate: "
+                        "check the reward, raise --rollout_n or --max_num_gen_batches, or start filtering "
+                        "once the reward varies (--filter_groups_from_step)")
+            groups += new
+        return dict(groups=groups[:B], n_errors=n_errors, rounds=rounds, n_prompts=n_prompts, n_all_equal=n_all_equal,
+                    n_none=n_none, n_all=n_all, gen_tokens=gen_tokens, n_drawn=n_drawn, n_skipped=n_skipped,
+                    epoch=epoch, seconds=time.perf_counter() - t0)
+
+    def push_weights():
+        engine.update_weights(sharding.iter_full_tensors(actor, dtype=push_dtype, device=device))
+
+    # --one_step_off_policy: the batch of step k+1 is generated, in a second thread, while step k trains.
+    # The engine then holds the weights from before step k's update; they are pushed once that batch is
+    # done (`stale` until then), so each batch is trained on one update after the weights that sampled it.
+    overlap = args.one_step_off_policy
+    pool = None
+    if overlap:  # (CUDA's current device is per thread: the second one would start on GPU 0)
+        init = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
+        pool = concurrent.futures.ThreadPoolExecutor(1, "rollout", *init)
+    # that thread gathers the ranks' groups over a group of its own: the trainer's collectives run meanwhile
+    gen_group = dist.new_group(backend="gloo") if overlap else None
+    pending, stale, drawn_from = None, False, None  # the next batch; what it drew from (epoch, batch_idx, streak)
     stop, stopping = sharding.StopRequest(), False  # a SIGTERM checkpoints the step in progress and stops
     bar = tqdm(total=total_steps, initial=step, disable=rank != 0, desc="steps")
     while step < total_steps:
@@ -903,46 +972,21 @@ def main(args):
         with timer("step"):
             # 1 generate: the engine (awake, holding the latest weights) samples n responses per prompt
             # 2 score: rule or user reward per response, in the same call
-            with timer("gen"):
-                groups, n_errors, rounds, n_prompts, n_all_equal, n_none, n_all, gen_tokens = [], 0, 0, 0, 0, 0, 0, 0
-                n_drawn, n_skipped = 0, 0
-                filtering = args.filter_groups and step >= args.filter_groups_from_step
-                while len(groups) < B:
-                    rounds += 1
-                    indices = next_prompts()
-                    n_drawn += len(indices)
-                    if filtering and args.skip_all_equal:  # skip what the filter would likely drop
-                        kept = selective_rollout(indices, streak, args.skip_explore_prob,
-                                                 hash((args.seed, step, rounds)) % 2**31, world)
-                        n_skipped += len(indices) - len(kept)
-                        indices = kept
-                    if filtering:  # the rounds after the first generate only what the step still needs
-                        indices = indices[:round_size(B - len(groups), len(groups), n_prompts, G, world)]
-                    else:  # one batch (a round of --gen_batch_size > B before --filter_groups_from_step)
-                        indices = indices[:B]
-                    n_prompts += len(indices)
-                    new, errs = rollout(engine, [train[i] for i in indices], args, tokenizer, reward_fn,
-                                        seed=hash((args.seed, step, rounds, engine.dp_rank)) % 2**31, n=n,
-                                        temperature=args.temperature) if indices else ([], 0)  # all skipped
-                    n_errors += errs
-                    gen_tokens += sum(len(s.token_ids) for g in new for s in g["samples"])  # kept or not
-                    equal = [len(set(g["scores"])) == 1 for g in new]  # zero advantage: nothing to learn
-                    n_all_equal += sum(equal)
-                    n_none += sum(max(g["scores"]) <= 0 for g in new)  # too hard for the policy, for now
-                    n_all += sum(min(g["scores"]) >= 1 for g in new)  # learned
-                    if filtering:  # DAPO's dynamic sampling: keep the others, generate more
-                        for i, e in zip(indices, equal):  # each prompt's all-equal streak, for --skip_all_equal
-                            streak[i] = streak[i] + 1 if e else 0
-                        new = [g for g, e in zip(new, equal) if not e]
-                        if 0 < args.max_num_gen_batches <= rounds and len(groups) + len(new) < B:
-                            raise RuntimeError(
-                                f"step {step}: --filter_groups kept {len(groups) + len(new)} of {B} groups after "
-                                f"{rounds} generation rounds (--max_num_gen_batches); all-equal scores dominate: "
-                                "check the reward, raise --rollout_n or --max_num_gen_batches, or start filtering "
-                                "once the reward varies (--filter_groups_from_step)")
-                    groups += new
-                groups = groups[:B]
+            with timer("gen"):  # --one_step_off_policy: the wait for the batch generated during the last step
+                batch = pending.result() if pending else generate_batch(step)
+                pending = None
+            if overlap:
+                if stale:  # the engine is idle now: the last update's weights go in
+                    with timer("update_weights"):
+                        push_weights()
+                    stale = False
+                if step < total_steps:  # and generate the next batch with them while this one trains
+                    drawn_from = (epoch, batch_idx, {i: z for i, z in enumerate(streak) if z})
+                    sync(device)  # the push's copies are done before the other thread's stream reads the weights
+                    pending = pool.submit(generate_batch, step + 1)
+            else:
                 engine.sleep()
+            groups = batch["groups"]
             if args.rollout_data_dir and rank == 0:  # the responses this step trains on, as text
                 dump_generations(args.rollout_data_dir, str(step), generation_rows(groups, tokenizer, step))
             all_scores = torch.tensor([s for g in groups for s in g["scores"]])
@@ -997,10 +1041,14 @@ def main(args):
                 if args.optimizer_offload:
                     sharding.move_optimizer_state(optimizer, "cpu")
 
-            # 6 push the new weights into the engine: FSDP2 shards -> full tensors -> vLLM's loaders
-            with timer("update_weights"):
-                optimizer.zero_grad(set_to_none=True)
-                engine.update_weights(sharding.iter_full_tensors(actor, dtype=push_dtype, device=device))
+            # 6 push the new weights into the engine: FSDP2 shards -> full tensors -> vLLM's loaders (with
+            # --one_step_off_policy once the engine has generated the next batch: at the next step's start)
+            optimizer.zero_grad(set_to_none=True)
+            if overlap:
+                stale = True
+            else:
+                with timer("update_weights"):
+                    push_weights()
 
         # 7 log, validate, save
         lengths = torch.tensor([len(s.token_ids) for g in groups for s in g["samples"]], dtype=torch.float)
@@ -1022,25 +1070,40 @@ def main(args):
             if any(g["example"].data_source in reward.SCORERS for g in groups) else float("nan"),
             "rollout/logprob_gap_mean": logprob_gap(old_log_probs[checked], rollout_log_probs,
                                                     response_mask[checked]),
-            "rollout/gen_rounds": float(rounds), "rollout/gen_prompts": float(n_prompts),
-            "rollout/all_equal_groups": n_all_equal / n_prompts,
-            "rollout/solve_none": n_none / n_prompts, "rollout/solve_all": n_all / n_prompts,
-            "rollout/skipped_prompts": n_skipped / n_drawn,
-            "reward/errors": float(n_errors),
+            "rollout/gen_rounds": float(batch["rounds"]), "rollout/gen_prompts": float(batch["n_prompts"]),
+            "rollout/all_equal_groups": batch["n_all_equal"] / batch["n_prompts"],
+            "rollout/solve_none": batch["n_none"] / batch["n_prompts"],
+            "rollout/solve_all": batch["n_all"] / batch["n_prompts"],
+            "rollout/skipped_prompts": batch["n_skipped"] / batch["n_drawn"],
+            "reward/errors": float(batch["n_errors"]),
             "actor/lr": lr,
             "perf/throughput": (prompt_tokens + lengths.sum().item()) / t["timing_s/step"] / world,
-            "perf/gen_tokens_per_s": gen_tokens / t["timing_s/gen"],
+            # the generation's own rate: beside the training with --one_step_off_policy
+            "perf/gen_tokens_per_s": batch["gen_tokens"] / (batch["seconds"] if overlap else t["timing_s/gen"]),
             "perf/max_memory_allocated_gb": max([v for k, v in t.items() if k.startswith("perf/max_memory")],
                                                 default=0.0),
-            "training/global_step": step, "training/epoch": epoch,
+            "training/global_step": step, "training/epoch": batch["epoch"],
             "timing_s/since_launch": seconds_since_launch(),
         } | update_stats | t | phase_perf(t, config, seq_len, prompt_tokens + lengths.sum().item(),
                                           lengths.sum().item(), peak_flops, args.ppo_epochs, push_bytes)
+        if overlap:  # the generation's own time, beside the previous step's training
+            metrics["timing_s/gen_background"] = batch["seconds"]
         for key in {k for g in groups for k in g["extras"]}:
             metrics[f"critic/score/{key}/mean"] = float(np.mean([x for g in groups for x in g["extras"].get(key, [])]))
         last_step = step == total_steps
         stopping = not last_step and stop.agreed(device)  # checkpointed at once, not validated
         if val is not None and args.test_freq > 0 and (step % args.test_freq == 0 or last_step) and not stopping:
+            if overlap:  # validation needs the engine idle, with this step's weights: the wait and the push
+                before = dict(metrics)  # count as this step's
+                with Timer(metrics, device)("gen"):
+                    if pending:
+                        pending.result()
+                if stale:
+                    with Timer(metrics, device)("update_weights"):
+                        push_weights()
+                    stale = False
+                metrics["timing_s/step"] += sum(metrics[k] - before.get(k, 0.0)
+                                                for k in ("timing_s/gen", "timing_s/update_weights") if k in metrics)
             with Timer(metrics, device)("testing"):
                 metrics |= validate(engine, val, args, tokenizer, reward_fn, step)
             stopping = not last_step and stop.agreed(device)  # a SIGTERM during validation: this step, too
@@ -1049,7 +1112,10 @@ def main(args):
                 sharding.save_checkpoint(args.default_local_dir, step, {"actor": actor}, {"actor": optimizer},
                                          {"actor": scheduler},
                                          {"epoch": epoch, "batch_idx": batch_idx, "gen_batch_size": G,
-                                          "all_equal_streak": {i: z for i, z in enumerate(streak) if z}},
+                                          "all_equal_streak": {i: z for i, z in enumerate(streak) if z}}
+                                         if pending is None else  # a resume draws the next batch again
+                                         {"epoch": drawn_from[0], "batch_idx": drawn_from[1], "gen_batch_size": G,
+                                          "all_equal_streak": drawn_from[2]},
                                          keep_last=args.keep_last_checkpoints)
             # one during the checkpoint: the run stops now, the checkpoint holds this step
             stopping = stopping or (not last_step and stop.agreed(device))
@@ -1058,6 +1124,8 @@ def main(args):
         if stopping:
             break
     bar.close()
+    if pool:  # a batch still generating (the run stopped early): it ends before the engine does
+        pool.shutdown(wait=True)
     if stopping:
         if rank == 0:
             print(f"stopped by SIGTERM after step {step} of {total_steps}, checkpointed in {args.default_local_dir}; "

@@ -6,6 +6,8 @@
 #   bash bench/gpu_all.sh sync      # bench_engine without the plain vLLM run (ours, sync, sleep/wake, parity)
 #   bash bench/gpu_all.sh grpo      # 3 GRPO steps of the tutorial shape + the per-phase table
 #   bash bench/gpu_all.sh grpo_compiled  # 5 GRPO steps, update compiled, 49k/64k-token micro-batches
+#   bash bench/gpu_all.sh grpo_off_policy  # the same with --one_step_off_policy (the next batch generated while
+#                                   # a step trains; the engine awake throughout, at 0.3 of the GPU's memory)
 #   bash bench/gpu_all.sh scale_1 scale_1_warm gen_seqs  # 3 GRPO steps on a fresh machine, again with its
 #                                   # caches warm, and with all 1,280 sequences of a step decoding at once
 #   bash bench/gpu_all.sh scale_1_vllm_compile  # the same 3 steps with vLLM's torch.compile (--rollout_compile)
@@ -114,6 +116,9 @@ for part in "${parts[@]}"; do
     # 5 GRPO steps with the update compiled at the micro-batches where that pays (docs/benchmarks.md)
     grpo_compiled) cmd="$(scale_run 1 1 train_grpo.py grpo_compiled --total_training_steps 5 --compile_update true \
                           --ppo_max_token_len_per_gpu 49152 --log_prob_max_token_len_per_gpu 65536)" ;;
+    grpo_off_policy) cmd="$(scale_run 1 1 train_grpo.py grpo_off_policy --total_training_steps 5 \
+                            --compile_update true --ppo_max_token_len_per_gpu 49152 \
+                            --log_prob_max_token_len_per_gpu 65536 --one_step_off_policy --gpu_memory_utilization 0.3)" ;;
     scale_1) cmd="$(scale_run 1 1 train_grpo.py scale_1_tp1)" ;;
     scale_1_warm) cmd="$(scale_run 1 1 train_grpo.py scale_1_warm)" ;;  # after scale_1: time to step 1, caches warm
     # the same 3 steps with vLLM compiling (its default) instead of the engine's graphs without compile
@@ -131,7 +136,7 @@ for part in "${parts[@]}"; do
     profile) cmd="TORCH_LOGS=recompiles $PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT \
                   --modes eager all train fused --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 \
                   --repeats 2" ;;
-    *) echo "unknown part $part (test, engine, sync, grpo, grpo_compiled, ppo, learn, learn_filter, val, profile,"\
+    *) echo "unknown part $part (test, engine, sync, grpo, grpo_compiled, grpo_off_policy, ppo, learn, learn_filter, val, profile,"\
             "qwen3, scale, fused, scale_1, scale_1_warm, scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2,"\
             "scale_ppo, scale_table)"; exit 2 ;;
   esac

@@ -4,7 +4,8 @@
 
 Speed of light of a step: its generated tokens at standalone vLLM's rate (`--plain_tok_s`, measured by
 bench/bench_engine.py; without it, our engine's own rate) plus the FLOPs of its log-prob and update
-phases at 40% of the measured bf16 matmul peak. The median is over steps after the first (warm-up).
+phases at 40% of the measured bf16 matmul peak (a step that overlaps them, --one_step_off_policy, can take
+less). The median is over steps after the first (warm-up).
 Then each phase's peak GPU memory (`perf/max_memory_allocated_gb/<phase>`), its median over the same
 steps: the trainer's own in the phases that run while the engine sleeps, the engine's memory included
 in those where it is awake (gen, update_weights).
@@ -14,12 +15,14 @@ import argparse
 import json
 import statistics
 
-PHASES = ["gen", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights", "step"]
+PHASES = ["gen", "gen_background", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights", "step"]
 MFU = ["old_log_prob", "ref", "actor"]
 
 
 def speed_of_light(row, plain_tok_s):
-    tokens = row["perf/gen_tokens_per_s"] * row["timing_s/gen"]
+    # --one_step_off_policy: timing_s/gen is the wait for a batch generated beside the training, whose own
+    # time is timing_s/gen_background; the speed of light still adds generation and training (no overlap)
+    tokens = row["perf/gen_tokens_per_s"] * row.get("timing_s/gen_background", row["timing_s/gen"])
     flops = sum(row[f"perf/tflops/{m}"] * row[f"timing_s/{p}"] * 1e12
                 for m, p in (("old_log_prob", "old_log_prob"), ("ref", "ref"), ("actor", "update_actor"))
                 if f"perf/tflops/{m}" in row)
