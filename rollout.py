@@ -18,8 +18,10 @@ scripts log it every step as `rollout/logprob_gap_mean` (TRL once shipped weight
 reached vLLM; this makes such a bug visible on the first step).
 """
 
+import contextlib
 import functools
 import os
+import threading
 from dataclasses import dataclass
 from collections.abc import Iterable, Iterator
 
@@ -358,6 +360,41 @@ def _top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor
         drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     return logits
+
+
+# torch.fx's tracer, which torch.compile runs, patches torch.nn.Module.__call__ for the whole process while it
+# traces, so a model called from another thread meanwhile fails ("module is not installed as a submodule").
+# When the engine generates in a second thread while the trainer may compile (--one_step_off_policy), the two
+# take turns: after `exclusive_tracing()` every trace holds FX_TURN, and the generating thread holds
+# `turn_to_generate()`.
+FX_TURN = threading.RLock()
+
+
+def exclusive_tracing() -> None:
+    """Make torch.fx's traces (torch.compile's) hold FX_TURN while they run; idempotent."""
+    trace = torch.fx.Tracer.trace
+    if getattr(trace, "holds_fx_turn", False):
+        return
+
+    @functools.wraps(trace)
+    def turn_taking_trace(self, *args, **kwargs):
+        with FX_TURN:
+            return trace(self, *args, **kwargs)
+
+    turn_taking_trace.holds_fx_turn = True
+    torch.fx.Tracer.trace = turn_taking_trace
+
+
+@contextlib.contextmanager
+def turn_to_generate():
+    """FX_TURN for a generation beside the trainer, taken after torch.compile's own lock, which compiles hold
+    while they trace: vLLM compiles a few helpers itself, and a compile in this thread waiting for that lock
+    while the trainer's compile, holding it, waits for FX_TURN would never end. Taken in the same order as a
+    compile takes them, the two locks cannot deadlock."""
+    import torch._dynamo.convert_frame
+
+    with getattr(torch._dynamo.convert_frame, "compile_lock", contextlib.nullcontext()), FX_TURN:
+        yield
 
 
 def make_engine(kind: str, model_path: str, **kwargs):

@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 import reward
 import sharding
 from data.dataset import load_rl_dataset
-from rollout import group_share, logprob_gap, make_engine
+from rollout import exclusive_tracing, group_share, logprob_gap, make_engine, turn_to_generate
 
 IMPORTED = time.time()
 
@@ -961,6 +961,12 @@ def main(args):
     if overlap:  # (CUDA's current device is per thread: the second one would start on GPU 0)
         init = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
         pool = concurrent.futures.ThreadPoolExecutor(1, "rollout", *init)
+        exclusive_tracing()  # the trainer's compiles and that thread's generations take turns (rollout.py)
+
+    def generate_beside(step):
+        with turn_to_generate():
+            return generate_batch(step)
+
     # that thread gathers the ranks' groups over a group of its own: the trainer's collectives run meanwhile
     gen_group = dist.new_group(backend="gloo") if overlap else None
     pending, stale, drawn_from = None, False, None  # the next batch; what it drew from (epoch, batch_idx, streak)
@@ -983,7 +989,7 @@ def main(args):
                 if step < total_steps:  # and generate the next batch with them while this one trains
                     drawn_from = (epoch, batch_idx, {i: z for i, z in enumerate(streak) if z})
                     sync(device)  # the push's copies are done before the other thread's stream reads the weights
-                    pending = pool.submit(generate_batch, step + 1)
+                    pending = pool.submit(generate_beside, step + 1)
             else:
                 engine.sleep()
             groups = batch["groups"]

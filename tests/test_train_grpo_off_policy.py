@@ -5,12 +5,17 @@ The same fixture as tests/test_train_grpo.py (24 GSM8K-shaped prompts, the tiny 
 varies within groups, so that every update moves the policy).
 """
 
+import contextlib
 import json
 import re
+import threading
+import time
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 
+import rollout
 import train_grpo
 from tests import test_train_grpo
 from tests.test_train_grpo import flags, launch, metrics_by_step
@@ -38,8 +43,10 @@ def test_one_step_off_policy_trains_each_batch_one_update_after_the_weights_that
     common = ("--one_step_off_policy", "--logprob_check_prompts", "-1", "--export_final", "false",
               "--keep_last_checkpoints", "3")
     out, dumps = tmp_path / "run", tmp_path / "rollouts"
-    # 3 steps, validated at step 2 (the engine must be idle and hold step 2's weights), checkpointed every step
-    proc = launch(flags(assets, out, "vllm", 3, "disable", *common, "--rollout_data_dir", str(dumps)))
+    # 3 steps, validated at step 2 (the engine must be idle and hold step 2's weights), checkpointed every step;
+    # compiled, so that step 1 compiles while step 2's batch generates
+    compiled = ("--use_torch_compile", "true", "--compile_layers", "true", "--compile_update", "true")
+    proc = launch(flags(assets, out, "vllm", 3, "disable", *common, *compiled, "--rollout_data_dir", str(dumps)))
     assert proc.returncode == 0, proc.output[-6000:]
     m = metrics_by_step(out)
     assert sorted(m) == [0, 1, 2, 3]
@@ -83,3 +90,47 @@ def test_one_step_off_policy_refuses_tensor_parallel_rollouts():
         assert "--one_step_off_policy needs --tensor_model_parallel_size 1" in str(e)
     else:
         raise AssertionError("check_args accepted --one_step_off_policy with tensor-parallel rollouts")
+
+
+def forwards_during_a_trace(trace, turn):
+    """Call a model in a second thread, each call inside `turn()`, while `trace` traces a function with
+    torch.fx for half a second; returns what the thread raised."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    errors, done = [], threading.Event()
+
+    def forwards():
+        try:
+            while not done.is_set():
+                with turn():
+                    model(torch.randn(2, 8))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            errors.append(e)
+
+    def slow_identity(x):
+        time.sleep(0.5)  # while torch.fx traces this, torch.nn.Module.__call__ is patched process-wide
+        return x
+
+    thread = threading.Thread(target=forwards)
+    thread.start()
+    time.sleep(0.1)
+    try:
+        trace(torch.fx.Tracer(), slow_identity)
+    finally:
+        done.set()
+        thread.join()
+    return errors
+
+
+def test_generation_and_torch_compile_take_turns():
+    """--one_step_off_policy generates in a second thread while the trainer may compile. torch.fx's tracing,
+    a step of torch.compile, patches torch.nn.Module.__call__ for the whole process, so a forward in another
+    thread fails; once `exclusive_tracing()` has run, traces and holders of FX_TURN take turns."""
+    plain = getattr(torch.fx.Tracer.trace, "__wrapped__", torch.fx.Tracer.trace)
+    errors = forwards_during_a_trace(plain, contextlib.nullcontext)
+    assert errors and "module is not installed as a submodule" in str(errors[0])
+    rollout.exclusive_tracing()
+    rollout.exclusive_tracing()  # idempotent: one wrapper
+    assert torch.fx.Tracer.trace.__wrapped__ is plain
+    assert forwards_during_a_trace(torch.fx.Tracer.trace, lambda: rollout.FX_TURN) == []
+    # the generating thread's turn: compile's lock, then FX_TURN (re-entrant both: the thread may compile)
+    assert forwards_during_a_trace(torch.fx.Tracer.trace, rollout.turn_to_generate) == []
