@@ -109,10 +109,11 @@ class Args:
         "help": "skip_all_equal: a prompt whose last z groups in a row scored all-equal is generated anyway "
                 "with probability P**z"})
     one_step_off_policy: bool = field(default=False, metadata={
-        "help": "generate the next step's batch while this step trains, with the weights from before this step's "
-                "update (one-step off-policy, as verl's recipe of that name): the GPU trains while vLLM's host-bound "
-                "scheduler runs. The engine stays awake, so give it less memory (--gpu_memory_utilization 0.3 on "
-                "an H200)"})
+        "help": "generate the next step's batch in a second thread while this step trains, with the weights from "
+                "before this step's update (one-step off-policy, as verl's recipe of that name). The engine stays "
+                "awake: give it less memory (--gpu_memory_utilization 0.3 on an H200). Measured on one H200 with a "
+                "0.5B model: steps 7-13% shorter (the two share the GPU and the Python interpreter, so each ran "
+                "slower), and in one learning run lower accuracy by step and by minute (docs/benchmarks.md)"})
     # memory
     enable_gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations"})
     param_offload: bool = field(default=False, metadata={"help": "actor params, grads and optimizer on CPU"})
