@@ -670,19 +670,43 @@ def lr_lambda(args, total_steps):
     return f
 
 
+def epoch_order(n_examples, epoch, seed):
+    """The training prompts' order in an epoch: a seeded shuffle, a new one each epoch."""
+    return torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
 def batch_order(n_examples, batch_size, epoch, seed):
-    """The prompts of each step of an epoch: a seeded shuffle, last partial batch dropped (verl)."""
-    perm = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    """The prompts of each step of an epoch when each step takes one batch: last partial batch dropped (verl)."""
+    perm = epoch_order(n_examples, epoch, seed)
     return [perm[i:i + batch_size] for i in range(0, n_examples - batch_size + 1, batch_size)]
 
 
+class PromptOrder:
+    """A cursor over the epochs' orders. A generation round looks at the next m prompts (`peek`), then
+    moves past the ones it used (`advance`). When fewer than m remain, the epoch ends and they are
+    dropped, as verl drops the last partial batch. (epoch, offset) is the position a checkpoint keeps.
+    Example: 10 prompts, rounds that look at 4 and use 4, 3, 2: offsets 4, 7, then a new epoch (3 left < 4),
+    whose first 2 prompts the third round uses."""
+
+    def __init__(self, n_examples, seed, epoch=0, offset=0):
+        self.n, self.seed, self.epoch, self.offset = n_examples, seed, epoch, offset
+
+    def peek(self, m):
+        if self.offset + m > self.n:
+            self.epoch, self.offset = self.epoch + 1, 0
+        return epoch_order(self.n, self.epoch, self.seed)[self.offset:self.offset + m]
+
+    def advance(self, k):
+        self.offset += k
+
+
 def round_size(missing, kept, generated, G, world):
-    """Prompts a --filter_groups generation round takes from its batch of G.
+    """Prompts a --filter_groups generation round generates, of the G it looks at.
 
     The whole batch while nothing has been kept this step (the first round, or rounds that kept nothing).
     After that, enough prompts for the `missing` groups at the share of groups kept so far, 20% over,
     rounded up to a multiple of the ranks: generating the whole batch would only make groups that are
-    dropped once the step has its train_batch_size. The rest of the batch is skipped, as those would be.
+    dropped once the step has its train_batch_size. The rest stay next in the epoch's order (PromptOrder).
     Example: 26 groups missing after 230 of 512 were kept: 26 * 512 / 230 * 1.2 = 69.5, so 70 prompts.
     """
     if kept == 0:
@@ -843,17 +867,17 @@ def main(args):
     optimizer = torch.optim.AdamW(actor.parameters(), lr=args.actor_lr, weight_decay=args.weight_decay,
                                   betas=(0.9, 0.999))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, total_steps))
-    step, epoch, batch_idx = 0, 0, 0
+    step, epoch, offset = 0, 0, 0  # the global step; the data's epoch, and the prompts of it already used
     # per train prompt: how many of its latest groups in a row scored all-equal on filtering steps
     streak = [0] * (len(train) if train else 0)
     resume = sharding.latest_checkpoint(args.default_local_dir) if args.resume_mode == "auto" else (
         None if args.resume_mode == "disable" else args.resume_mode)
     if resume:
         state = sharding.load_checkpoint(resume, {"actor": actor}, {"actor": optimizer}, {"actor": scheduler})
-        step, epoch, batch_idx = state["global_step"], state["epoch"], state["batch_idx"]
-        # batch_idx counts rounds of the saved --gen_batch_size; with another, go on from the first round
-        # that starts past the prompts already used this epoch
-        batch_idx = -(-batch_idx * state.get("gen_batch_size", args.train_batch_size) // G)
+        step, epoch = state["global_step"], state["epoch"]
+        # checkpoints before the cursor counted whole rounds of their --gen_batch_size
+        offset = state.get("data_offset",
+                           state.get("batch_idx", 0) * state.get("gen_batch_size", args.train_batch_size))
         for i, z in state.get("all_equal_streak", {}).items():  # JSON made the prompt indices strings
             if int(i) < len(streak):  # (--train_files may have changed since)
                 streak[int(i)] = z
@@ -896,14 +920,7 @@ def main(args):
     n, B = args.rollout_n, args.train_batch_size
     per_rank = B // world  # prompts per rank
 
-    def next_prompts():
-        nonlocal epoch, batch_idx
-        order = batch_order(len(train), G, epoch, args.seed)
-        if batch_idx >= len(order):
-            epoch, batch_idx = epoch + 1, 0
-            order = batch_order(len(train), G, epoch, args.seed)
-        batch_idx += 1
-        return order[batch_idx - 1]
+    order = PromptOrder(len(train), args.seed, epoch, offset) if train else None
 
     def generate_batch(step):
         """Step `step`'s batch: B groups of n scored responses, in generation rounds until B groups are kept
@@ -915,17 +932,19 @@ def main(args):
         filtering = args.filter_groups and step >= args.filter_groups_from_step
         while len(groups) < B:
             rounds += 1
-            indices = next_prompts()
-            n_drawn += len(indices)
+            look = order.peek(G if filtering else B)  # the next prompts of the epoch
+            kept = look
             if filtering and args.skip_all_equal:  # skip what the filter would likely drop
-                kept = selective_rollout(indices, streak, args.skip_explore_prob,
+                kept = selective_rollout(look, streak, args.skip_explore_prob,
                                          hash((args.seed, step, rounds)) % 2**31, world)
-                n_skipped += len(indices) - len(kept)
-                indices = kept
-            if filtering:  # the rounds after the first generate only what the step still needs
-                indices = indices[:round_size(B - len(groups), len(groups), n_prompts, G, world)]
-            else:  # one batch (a round of --gen_batch_size > B before --filter_groups_from_step)
-                indices = indices[:B]
+            # the rounds after the first generate only what the step still needs; the round moves past the
+            # prompts it used: all it looked at, or, when it generates only some, up to the last of those
+            indices = kept[:round_size(B - len(groups), len(groups), n_prompts, G, world)] if filtering else kept
+            pos = {i: j for j, i in enumerate(look)}
+            used = len(look) if len(indices) == len(kept) else pos[indices[-1]] + 1
+            order.advance(used)
+            n_drawn += used
+            n_skipped += used - sum(pos[i] < used for i in kept)
             n_prompts += len(indices)
             new, errs = rollout(engine, [train[i] for i in indices], args, tokenizer, reward_fn,
                                 seed=hash((args.seed, step, rounds, engine.dp_rank)) % 2**31, n=n,
@@ -949,7 +968,7 @@ def main(args):
             groups += new
         return dict(groups=groups[:B], n_errors=n_errors, rounds=rounds, n_prompts=n_prompts, n_all_equal=n_all_equal,
                     n_none=n_none, n_all=n_all, gen_tokens=gen_tokens, n_drawn=n_drawn, n_skipped=n_skipped,
-                    epoch=epoch, seconds=time.perf_counter() - t0)
+                    epoch=order.epoch, seconds=time.perf_counter() - t0)
 
     def push_weights():
         engine.update_weights(sharding.iter_full_tensors(actor, dtype=push_dtype, device=device))
@@ -970,7 +989,7 @@ def main(args):
 
     # that thread gathers the ranks' groups over a group of its own: the trainer's collectives run meanwhile
     gen_group = dist.new_group(backend="gloo") if overlap else None
-    pending, stale, drawn_from = None, False, None  # the next batch; what it drew from (epoch, batch_idx, streak)
+    pending, stale, drawn_from = None, False, None  # the next batch; what it drew from (epoch, offset, streak)
     stop, stopping = sharding.StopRequest(), False  # a SIGTERM checkpoints the step in progress and stops
     bar = tqdm(total=total_steps, initial=step, disable=rank != 0, desc="steps")
     while step < total_steps:
@@ -988,7 +1007,7 @@ def main(args):
                         push_weights()
                     stale = False
                 if step < total_steps:  # and generate the next batch with them while this one trains
-                    drawn_from = (epoch, batch_idx, {i: z for i, z in enumerate(streak) if z})
+                    drawn_from = (order.epoch, order.offset, {i: z for i, z in enumerate(streak) if z})
                     sync(device)  # the push's copies are done before the other thread's stream reads the weights
                     pending = pool.submit(generate_beside, step + 1)
             else:
@@ -1118,10 +1137,10 @@ def main(args):
             with Timer(metrics, device)("save_checkpoint"):
                 sharding.save_checkpoint(args.default_local_dir, step, {"actor": actor}, {"actor": optimizer},
                                          {"actor": scheduler},
-                                         {"epoch": epoch, "batch_idx": batch_idx, "gen_batch_size": G,
+                                         {"epoch": order.epoch, "data_offset": order.offset,
                                           "all_equal_streak": {i: z for i, z in enumerate(streak) if z}}
                                          if pending is None else  # a resume draws the next batch again
-                                         {"epoch": drawn_from[0], "batch_idx": drawn_from[1], "gen_batch_size": G,
+                                         {"epoch": drawn_from[0], "data_offset": drawn_from[1],
                                           "all_equal_streak": drawn_from[2]},
                                          keep_last=args.keep_last_checkpoints)
             # one during the checkpoint: the run stops now, the checkpoint holds this step

@@ -19,12 +19,14 @@ import sharding
 import train_grpo
 from train_grpo import (
     Args,
+    PromptOrder,
     agg_loss,
     batch_order,
     check_args,
     compute_grpo_outcome_advantage,
     compute_policy_loss,
     entropy_from_logits,
+    epoch_order,
     flops_per_token,
     forward_log_probs,
     kl_penalty,
@@ -277,6 +279,25 @@ def test_batch_order_is_seeded_and_drops_the_last_partial_batch():
     assert batch_order(10, 4, epoch=0, seed=2) != order
     assert batch_order(8, 4, 0, 1) and len(batch_order(8, 4, 0, 1)) == 2  # exact fit keeps every batch
     assert batch_order(3, 4, 0, 1) == []
+
+
+def test_prompt_order_moves_past_what_rounds_use_and_drops_an_epochs_short_rest():
+    perm0, perm1 = epoch_order(10, 0, seed=1), epoch_order(10, 1, seed=1)
+    assert sorted(perm0) == list(range(10)) and perm1 != perm0 and epoch_order(10, 0, seed=1) == perm0
+    order = PromptOrder(10, seed=1)
+    assert order.peek(4) == perm0[:4]
+    order.advance(4)
+    assert order.peek(4) == perm0[4:8]
+    order.advance(3)  # a round that generated 3 of the 4 prompts it looked at: the 4th comes next
+    assert order.peek(4) == perm1[:4] and (order.epoch, order.offset) == (1, 0)  # 3 left < 4: dropped
+    order.advance(2)
+    assert PromptOrder(10, seed=1, epoch=1, offset=2).peek(3) == order.peek(3) == perm1[2:5]  # a resume
+    # rounds that each use a whole batch take batch_order's batches
+    whole, taken = PromptOrder(10, seed=1), []
+    for _ in range(4):
+        taken.append(whole.peek(4))
+        whole.advance(4)
+    assert taken == batch_order(10, 4, 0, 1) + batch_order(10, 4, 1, 1)
 
 
 def test_lr_lambda_warmup_then_cosine():

@@ -166,22 +166,27 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     first, first_log = reward_file("first")  # 2 steps of 4 prompts, no filter: prompts 0-7 of the epoch's order
     proc = launch(flags(assets, out, "hf", 2, "disable", "--custom_reward_function_path", str(first), *quiet))
     assert proc.returncode == 0, proc.output[-6000:]
-    second, second_log = reward_file("second")  # resumed with the filter, rounds of 8 prompts
+    second, second_log = reward_file("second")  # resumed with the filter, rounds that look at 6 prompts
     proc = launch(flags(assets, out, "hf", 4, "auto", "--custom_reward_function_path", str(second), "--filter_groups",
-                        "--gen_batch_size", "8", "--max_num_gen_batches", "0", *quiet))
+                        "--gen_batch_size", "6", "--max_num_gen_batches", "0", *quiet))
     assert proc.returncode == 0, proc.output[-6000:]
     m = metrics_by_step(out)
-    order = train_grpo.batch_order(24, 1, 0, train_grpo.Args.seed)  # the epoch's shuffle, one prompt at a time
-    order = [i for (i,) in order]
+    order = train_grpo.epoch_order(24, 0, train_grpo.Args.seed)  # the epoch's shuffle
     first_prompts = [int(x) for x in first_log.read_text().split()]
     assert sorted(first_prompts) == sorted(order[:8] * 2)  # 2 responses per prompt
     prompts = [int(x) for x in second_log.read_text().split()]
     generated = [int(m[s]["rollout/gen_prompts"]) for s in (3, 4)]
     assert len(prompts) == sum(generated) * 2  # 2 responses per prompt generated
-    # the first round after the resume takes the next 8 prompts of the epoch: none of those already used
-    assert sorted(prompts[:16]) == sorted(order[8:16] * 2)
+    # the first round after the resume looks at the next 6 prompts of the epoch, and generates them all
+    assert sorted(prompts[:12]) == sorted(order[8:14] * 2)
+    # every round goes on where the last one stopped: the prompts generated are the epoch's next ones, a
+    # of them: all, or, once fewer than 6 were left (24 - 8 - a < 6), those and the next epoch's first ones
+    second_epoch = train_grpo.epoch_order(24, 1, train_grpo.Args.seed)
+    total = sum(generated)
+    assert any(sorted(prompts) == sorted((order[8:8 + a] + second_epoch[:total - a]) * 2)
+               for a in range(min(16, total) + 1) if a == total or a >= 11), prompts
     for step, g in zip((3, 4), generated):
         assert m[step]["critic/score/mean"] == 0.5  # the kept groups: one 0 and one 1 each
-        # a step's first round takes a whole batch of 8; it kept 4 groups with signal in all
-        assert 8 <= g <= 8 * m[step]["rollout/gen_rounds"]
+        # a step's first round generates all 6 prompts it looks at; it kept 4 groups with signal in all
+        assert 6 <= g <= 6 * m[step]["rollout/gen_rounds"]
         assert m[step]["rollout/all_equal_groups"] <= 1 - 4 / g
