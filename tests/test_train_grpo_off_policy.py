@@ -6,6 +6,7 @@ varies within groups, so that every update moves the policy).
 """
 
 import contextlib
+import inspect
 import json
 import re
 import threading
@@ -125,12 +126,17 @@ def test_generation_and_torch_compile_take_turns():
     """--one_step_off_policy generates in a second thread while the trainer may compile. torch.fx's tracing,
     a step of torch.compile, patches torch.nn.Module.__call__ for the whole process, so a forward in another
     thread fails; once `exclusive_tracing()` has run, traces and holders of FX_TURN take turns."""
-    plain = getattr(torch.fx.Tracer.trace, "__wrapped__", torch.fx.Tracer.trace)
+    plain = inspect.unwrap(torch.fx.Tracer.trace)  # torch.compile wraps it too, once it has compiled
     errors = forwards_during_a_trace(plain, contextlib.nullcontext)
     assert errors and "module is not installed as a submodule" in str(errors[0])
     rollout.exclusive_tracing()
+    ours = torch.fx.Tracer.trace
     rollout.exclusive_tracing()  # idempotent: one wrapper
-    assert torch.fx.Tracer.trace.__wrapped__ is plain
+    assert torch.fx.Tracer.trace is ours and ours.holds_fx_turn
+    # torch.compile's first compile in a process wraps Tracer.trace again (in torch's TorchPatcher): around
+    # ours, which train_grpo installs before its first compile, so the turns hold
+    torch.compile(lambda x: x * 2, backend="eager")(torch.ones(2))
+    assert getattr(torch.fx.Tracer.trace, "holds_fx_turn", False)
     assert forwards_during_a_trace(torch.fx.Tracer.trace, lambda: rollout.FX_TURN) == []
     # the generating thread's turn: compile's lock, then FX_TURN (re-entrant both: the thread may compile)
     assert forwards_during_a_trace(torch.fx.Tracer.trace, rollout.turn_to_generate) == []
