@@ -973,6 +973,10 @@ def main(args):
     def push_weights():
         engine.update_weights(sharding.iter_full_tensors(actor, dtype=push_dtype, device=device))
 
+    def data_position():  # where the data stands, for a checkpoint: a resume draws the next prompts from there
+        return {"epoch": order.epoch, "data_offset": order.offset,
+                "all_equal_streak": {i: z for i, z in enumerate(streak) if z}}
+
     # --one_step_off_policy: the batch of step k+1 is generated, in a second thread, while step k trains.
     # The engine then holds the weights from before step k's update; they are pushed once that batch is
     # done (`stale` until then), so each batch is trained on one update after the weights that sampled it.
@@ -989,7 +993,7 @@ def main(args):
 
     # that thread gathers the ranks' groups over a group of its own: the trainer's collectives run meanwhile
     gen_group = dist.new_group(backend="gloo") if overlap else None
-    pending, stale, drawn_from = None, False, None  # the next batch; what it drew from (epoch, offset, streak)
+    pending, stale, drawn_from = None, False, None  # the next batch; the data position before it
     stop, stopping = sharding.StopRequest(), False  # a SIGTERM checkpoints the step in progress and stops
     bar = tqdm(total=total_steps, initial=step, disable=rank != 0, desc="steps")
     while step < total_steps:
@@ -1007,7 +1011,7 @@ def main(args):
                         push_weights()
                     stale = False
                 if step < total_steps:  # and generate the next batch with them while this one trains
-                    drawn_from = (order.epoch, order.offset, {i: z for i, z in enumerate(streak) if z})
+                    drawn_from = data_position()
                     sync(device)  # the push's copies are done before the other thread's stream reads the weights
                     pending = pool.submit(generate_beside, step + 1)
             else:
@@ -1137,11 +1141,7 @@ def main(args):
             with Timer(metrics, device)("save_checkpoint"):
                 sharding.save_checkpoint(args.default_local_dir, step, {"actor": actor}, {"actor": optimizer},
                                          {"actor": scheduler},
-                                         {"epoch": order.epoch, "data_offset": order.offset,
-                                          "all_equal_streak": {i: z for i, z in enumerate(streak) if z}}
-                                         if pending is None else  # a resume draws the next batch again
-                                         {"epoch": drawn_from[0], "data_offset": drawn_from[1],
-                                          "all_equal_streak": drawn_from[2]},
+                                         drawn_from if pending else data_position(),  # a batch in flight: again
                                          keep_last=args.keep_last_checkpoints)
             # one during the checkpoint: the run stops now, the checkpoint holds this step
             stopping = stopping or (not last_step and stop.agreed(device))
