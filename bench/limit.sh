@@ -15,6 +15,9 @@ pid=$!
   trap 'kill "$sleeper" 2>/dev/null; exit 0' TERM  # the command ended first: no signal, no stray sleep
   sleep "$limit" & sleeper=$!
   wait "$sleeper"
+  # a limit reached before the command has made its session (a limit of 0, a loaded machine) would signal
+  # no one, and the command would run on to the grace period's end: wait for the session first
+  while [ "$(ps -o sid= -p "$pid" | tr -d ' ')" != "$pid" ] && kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
   # torchrun's own processes; not a shell whose command line names it (`bash -c "a && torchrun ..."`
   # stays the parent of what it runs, and signalling its children would signal torchrun)
   launchers=$(for p in $(pgrep -s "$pid" -f torch.distributed.run); do
