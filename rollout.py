@@ -18,10 +18,12 @@ scripts log it every step as `rollout/logprob_gap_mean` (TRL once shipped weight
 reached vLLM; this makes such a bug visible on the first step).
 """
 
+import atexit
 import contextlib
 import functools
 import os
 import threading
+import traceback
 from dataclasses import dataclass
 from collections.abc import Iterable, Iterator
 
@@ -122,7 +124,8 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  max_model_len: int = 2048, seed: int = 0, dtype: str = "bfloat16", enforce_eager: bool = False,
-                 load_format: str = "auto", max_num_seqs: int = 1024, torch_compile: bool = False):
+                 load_format: str = "auto", max_num_seqs: int = 1024, torch_compile: bool = False,
+                 kv_cache_memory_bytes: int | None = None):
         from vllm import LLM  # imported here: importing rollout must not need vLLM
 
         # vLLM's engine core runs in this process: required to pass weight iterators to it.
@@ -138,6 +141,8 @@ class VLLMEngine:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if self.on_gpu and not enforce_eager and not torch_compile:
             kwargs["compilation_config"] = graphs_without_compile(max_num_seqs)
+        if kv_cache_memory_bytes is not None:  # a set size: vLLM then skips measuring the memory left for it
+            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         _register_in_process(model_path)
         self.llm = LLM(
             model=model_path,
@@ -235,6 +240,238 @@ class VLLMEngine:
             self.llm.wake_up(tags=["kv_cache"])
             self.sleeping = False
         self.llm.reset_prefix_cache()
+
+
+class EnginePool:
+    """`--engines_per_gpu K`: K vLLM engines for this rank, each in a process of its own on the rank's GPU,
+    behind VLLMEngine's interface.
+
+    A small model's generation is bound by vLLM's host work, not by the GPU: its scheduler and KV-cache
+    bookkeeping take about 20 us per sequence per decoding step, and an H200 decoding Qwen2.5-0.5B ran
+    kernels a fifth of the time (docs/benchmarks.md). K engines each decode a K-th of the sequences and do
+    that host work on K cores at once, while their kernels share the GPU.
+
+    Each engine is a VLLMEngine in a spawned process, driven over a pipe (`_serve_engine`). A call splits the
+    prompts into K contiguous shares, engine i sampling its share with seed + i. The weights travel through
+    one flat buffer that this process owns and every engine maps (CUDA IPC on a GPU, shared memory on CPU):
+    a push copies the trainer's full tensors into it, then the K engines load from views of it at once. The
+    buffer costs one more copy of the weights in the trainer's memory. The engines start together, so each
+    is given its KV cache's size instead of measuring the memory left, which the others' start would upset.
+    """
+
+    def __init__(self, model_path: str, *, engines: int, tensor_parallel_size: int = 1,
+                 gpu_memory_utilization: float = 0.5, max_num_seqs: int = 1024, seed: int = 0,
+                 dtype: str = "bfloat16", **engine_kwargs):
+        if tensor_parallel_size != 1:
+            raise ValueError("--engines_per_gpu above 1 needs --tensor_model_parallel_size 1")
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        self.dp_rank, self.dp_size, self.tp_rank, self.tp = rank, world, 0, 1
+        self.on_gpu, self.sleeping = torch.cuda.is_available(), False
+        self.buffer, self.layout = None, None
+        kwargs = dict(engine_kwargs, dtype=dtype, max_num_seqs=-(-max_num_seqs // engines),
+                      gpu_memory_utilization=gpu_memory_utilization / engines)
+        env = {}
+        if self.on_gpu:
+            kwargs["kv_cache_memory_bytes"] = pool_kv_cache_bytes(model_path, dtype, gpu_memory_utilization, engines)
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            index = torch.cuda.current_device()
+            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.conns, self.procs = [], []
+        for i in range(engines):
+            mine, theirs = ctx.Pipe()
+            quiet = {} if i == 0 else {"VLLM_LOGGING_LEVEL": "WARNING"}  # one engine's start-up log is enough
+            proc = ctx.Process(target=_serve_engine, name=f"engine{i}",
+                               args=(theirs, model_path, dict(kwargs, seed=seed + rank * engines + i), env | quiet))
+            proc.start()
+            theirs.close()
+            self.conns.append(mine)
+            self.procs.append(proc)
+        atexit.register(self.close)
+        self._collect("start")
+
+    def _collect(self, what: str, engines: list[int] | None = None) -> list:
+        """Each engine's answer to its last command, in order. Every answer is read before an engine's
+        exception is raised here, so none is left in a pipe to be taken for the next command's."""
+        engines = range(len(self.conns)) if engines is None else engines
+        answers = []
+        for i in engines:
+            try:
+                answers.append(self.conns[i].recv())
+            except EOFError:
+                answers.append(("error", "its process exited (its output above says why)"))
+        for i, (status, value) in zip(engines, answers):
+            if status == "error":
+                raise RuntimeError(f"rollout engine {i} failed during {what}:\n{value}")
+        return [value for _, value in answers]
+
+    def _all(self, command: str, *args) -> list:
+        for conn in self.conns:
+            conn.send((command, args))
+        return self._collect(command)
+
+    def generate(self, prompt_token_ids: list[list[int]], *, seed: int | None = None,
+                 logprobs: bool | list[bool] = True, **kwargs) -> list[list[Sample]]:
+        """As VLLMEngine.generate, each engine sampling a contiguous share of the prompts."""
+        if self.sleeping:
+            raise RuntimeError("EnginePool.generate while asleep: call update_weights() first")
+        k = len(self.conns)
+        wanted = logprobs if isinstance(logprobs, list) else [logprobs] * len(prompt_token_ids)
+        bounds = [len(prompt_token_ids) * i // k for i in range(k + 1)]
+        busy = []
+        for i, conn in enumerate(self.conns):
+            lo, hi = bounds[i], bounds[i + 1]
+            if lo < hi:
+                share = dict(kwargs, seed=None if seed is None else seed + i, logprobs=wanted[lo:hi])
+                conn.send(("generate", (prompt_token_ids[lo:hi], share)))
+                busy.append(i)
+        return [out for outs in self._collect("generate", busy) for out in outs]
+
+    def sleep(self) -> None:
+        if self.on_gpu and not self.sleeping:
+            self._all("sleep")
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.on_gpu and self.sleeping:
+            self._all("wake_up")
+        self.sleeping = False
+
+    def unbacked_bytes(self) -> int:
+        return 0  # the engines' memory belongs to their own processes
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy full tensors named as in the Hugging Face checkpoint into the shared buffer, then have every
+        engine load them (waking it first, as VLLMEngine.update_weights does). The first push sets the
+        buffer's layout; later ones must bring the same names and shapes."""
+        if self.buffer is None:
+            named = [(name, t.detach()) for name, t in named_tensors]
+            offsets = [0]
+            for _, t in named:
+                offsets.append(offsets[-1] + t.numel())
+            self.layout = [(name, offsets[j], t.shape) for j, (name, t) in enumerate(named)]
+            dtypes = {t.dtype for _, t in named}
+            if len(dtypes) != 1:
+                raise ValueError(f"EnginePool.update_weights: one dtype expected, got {sorted(map(str, dtypes))}")
+            self.buffer = torch.empty(offsets[-1], dtype=dtypes.pop(), device=named[0][1].device)
+            if not self.buffer.is_cuda:
+                self.buffer.share_memory_()
+            for (name, offset, shape), (_, t) in zip(self.layout, named):
+                self.buffer[offset:offset + t.numel()].copy_(t.reshape(-1))
+            del named
+            self._all("map_weights", *_shareable(self.buffer), self.layout)
+        else:
+            n = 0
+            for (name, t), (expected, offset, shape) in zip(named_tensors, self.layout):
+                if name != expected or t.shape != shape:
+                    raise ValueError(f"EnginePool.update_weights: got {name} {tuple(t.shape)} where the first push "
+                                     f"had {expected} {tuple(shape)}")
+                self.buffer[offset:offset + t.numel()].copy_(t.reshape(-1))
+                n += 1
+            if n != len(self.layout):
+                raise ValueError(f"EnginePool.update_weights: {n} tensors, the first push had {len(self.layout)}")
+        if self.on_gpu:
+            torch.cuda.current_stream().synchronize()  # the copies are done before other processes read
+            if self.sleeping:
+                torch.cuda.empty_cache()  # what torch caches for the trainer: the engines wake into it
+        self._all("load_weights")
+        self.sleeping = False
+
+    def close(self) -> None:
+        """Stop the engines (idempotent; also run at exit)."""
+        for conn, proc in zip(self.conns, self.procs):
+            with contextlib.suppress(OSError):
+                conn.send(("close", ()))
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+        self.conns, self.procs = [], []
+        atexit.unregister(self.close)
+
+
+# what torchrun tells its workers: an engine's own process must not take itself for one of them
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _serve_engine(conn, model_path: str, kwargs: dict, env: dict) -> None:
+    """An EnginePool engine's process: build a VLLMEngine, then answer commands until told to close or until
+    the trainer's end of the pipe closes. Every answer is ("ok", value) or ("error", traceback)."""
+    for var in TORCHRUN_ENV:
+        os.environ.pop(var, None)
+    for var in [v for v in os.environ if v.startswith("TORCHELASTIC_")]:
+        os.environ.pop(var)
+    os.environ.update(env)
+    try:
+        engine = VLLMEngine(model_path, **kwargs)
+    except BaseException:  # noqa: BLE001 - sent to the trainer, which raises it
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", None))
+    views = []
+    while True:
+        try:
+            command, args = conn.recv()
+        except EOFError:  # the trainer is gone
+            return
+        try:
+            value = None
+            if command == "close":
+                conn.send(("ok", None))
+                return
+            if command == "map_weights":  # once: the trainer's buffer, and where each tensor lies in it
+                rebuild, fields, layout = args
+                buffer = rebuild(*fields)
+                views = [(name, buffer[offset:offset + shape.numel()].view(shape)) for name, offset, shape in layout]
+            elif command == "load_weights":
+                engine.update_weights(iter(views))
+                if engine.on_gpu:
+                    torch.cuda.synchronize()  # loaded before the trainer may write the buffer again
+            elif command == "generate":
+                prompts, share = args
+                value = engine.generate(prompts, **share)
+            elif command in ("sleep", "wake_up"):
+                getattr(engine, command)()
+            else:
+                raise ValueError(f"unknown command {command!r}")
+            conn.send(("ok", value))
+        except Exception:  # noqa: BLE001 - sent to the trainer, which raises it
+            conn.send(("error", traceback.format_exc()))
+
+
+def _shareable(buffer: torch.Tensor) -> tuple:
+    """torch's (rebuild, fields) of `buffer`, which an engine's process turns back into the same memory (CUDA IPC,
+    or shared memory on CPU). The engines see only their GPU, as device 0 (CUDA_VISIBLE_DEVICES), where this
+    process may see it under another index: the device index in torch's CUDA record is rewritten for them."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    rebuild, fields = reduce_tensor(buffer)
+    if buffer.is_cuda:
+        device_field = 6  # rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, device, ...)
+        if fields[device_field] != buffer.device.index:
+            raise RuntimeError(f"torch's CUDA IPC record has changed shape ({rebuild.__name__}): update _shareable")
+        fields = (*fields[:device_field], 0, *fields[device_field + 1:])
+    return rebuild, fields
+
+
+def pool_kv_cache_bytes(model_path: str, dtype: str, gpu_memory_utilization: float, engines: int) -> int:
+    """The KV cache of each of `engines` engines sharing `gpu_memory_utilization` of this GPU: its share less
+    room for the weights twice (its copy and a load's buffers) and 3 GiB for activations and CUDA graphs.
+    The weights' size comes from the model's config, built without memory (meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    weights = sum(p.numel() for p in model.parameters()) * getattr(torch, dtype).itemsize
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    share = total * gpu_memory_utilization / engines
+    kv = int(share - 2 * weights - 3 * 2**30)
+    if kv < 2**30:
+        raise ValueError(f"--engines_per_gpu {engines}: each engine's share of --gpu_memory_utilization "
+                         f"{gpu_memory_utilization} ({share / 2**30:.1f} GiB) leaves {kv / 2**30:.1f} GiB for its KV "
+                         "cache after the weights (at least 1 GiB is needed): raise --gpu_memory_utilization or "
+                         "lower --engines_per_gpu")
+    return kv
 
 
 class HFEngine:
@@ -397,10 +634,13 @@ def turn_to_generate():
         yield
 
 
-def make_engine(kind: str, model_path: str, **kwargs):
-    """`--rollout_engine vllm|hf`."""
+def make_engine(kind: str, model_path: str, engines_per_gpu: int = 1, **kwargs):
+    """`--rollout_engine vllm|hf`; `--engines_per_gpu` above 1: an EnginePool of that many vLLM engines."""
+    if engines_per_gpu > 1 and kind != "vllm":
+        raise ValueError(f"--engines_per_gpu {engines_per_gpu} needs --rollout_engine vllm")
     if kind == "vllm":
-        return VLLMEngine(model_path, **kwargs)
+        return EnginePool(model_path, engines=engines_per_gpu, **kwargs) if engines_per_gpu > 1 else \
+            VLLMEngine(model_path, **kwargs)
     if kind == "hf":
         return HFEngine(model_path, **{k: v for k, v in kwargs.items() if k in ("seed", "tensor_parallel_size")},
                         device="cuda" if torch.cuda.is_available() else "cpu",

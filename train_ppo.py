@@ -61,6 +61,9 @@ class Args:
     gpu_memory_utilization: float = field(default=0.4, metadata={"help": "vLLM's share of GPU memory while awake"})
     max_num_seqs: int = field(default=1024, metadata={
         "help": "sequences vLLM decodes at once; the rest of a step's batch waits for free slots"})
+    engines_per_gpu: int = field(default=1, metadata={
+        "help": "vLLM engines per GPU, each in a process of its own decoding a share of the sequences: a small "
+        "model's generation is bound by vLLM's host work, which K processes share (docs/benchmarks.md)"})
     rollout_compile: bool = field(default=False, metadata={
         "help": "run vLLM's model through torch.compile (vLLM's default); off: CUDA graphs of vLLM's uncompiled "
         "forward for every decoding batch, which on an H200 was ready 31 s sooner and generated faster "
@@ -697,6 +700,9 @@ def check_args(args, world_size):
     need(args.truncation in ("error", "left", "right"), "--truncation must be error, left or right")
     need(args.reward_errors in ("raise", "zero"), "--reward_errors must be raise or zero")
     need(args.rollout_engine in ("vllm", "hf"), "--rollout_engine must be vllm or hf")
+    need(args.engines_per_gpu >= 1, f"--engines_per_gpu {args.engines_per_gpu} must be at least 1")
+    need(args.engines_per_gpu == 1 or (args.rollout_engine == "vllm" and args.tensor_model_parallel_size == 1),
+         "--engines_per_gpu above 1 needs --rollout_engine vllm and --tensor_model_parallel_size 1")
     need(args.resume_mode in ("auto", "disable") or os.path.isdir(args.resume_mode),
          f"--resume_mode must be auto, disable or an existing global_step_N folder, got {args.resume_mode!r}")
     for kind in (k.strip() for k in args.logger.strip("[]").split(",") if k.strip()):
@@ -951,7 +957,8 @@ def main(args):
                   "to start over.")
         return
     models_loaded = seconds_since_launch()
-    engine = make_engine(args.rollout_engine, args.model, tensor_parallel_size=args.tensor_model_parallel_size,
+    engine = make_engine(args.rollout_engine, args.model, engines_per_gpu=args.engines_per_gpu,
+                         tensor_parallel_size=args.tensor_model_parallel_size,
                          gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                          torch_compile=args.rollout_compile, seed=args.seed,
                          max_model_len=args.max_prompt_length + args.max_response_length,

