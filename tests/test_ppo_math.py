@@ -229,6 +229,7 @@ def good_args(**kw):
     (dict(ppo_mini_batch_size=16), "--ppo_mini_batch_size 16 must not exceed --train_batch_size 8"),
     (dict(kl_ctrl_type="pid"), "--kl_ctrl_type"),
     (dict(kl_penalty="k4"), "--kl_penalty"),
+    (dict(engines_per_gpu=2, rollout_engine="hf"), "--engines_per_gpu above 1 needs --rollout_engine vllm"),
     (dict(use_kl_in_reward=False, kl_coef=0.01), "--kl_coef is set but --use_kl_in_reward is false"),
 ])
 def test_check_args_names_the_flag(kw, flag):
