@@ -15,7 +15,8 @@ import argparse
 import json
 import statistics
 
-PHASES = ["gen", "gen_background", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights", "step"]
+PHASES = ["gen", "gen_background", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
+          "update_weights", "step"]
 MFU = ["old_log_prob", "ref", "actor"]
 
 
