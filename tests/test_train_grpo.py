@@ -12,7 +12,9 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow.parquet as pq
 import pytest
@@ -96,6 +98,55 @@ def launch(args, nproc=2, timeout=300):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     proc.output = proc.stdout + proc.stderr
     return proc
+
+
+# Most of a launch that stops at start-up, or soon after loading the model, is importing torch and transformers
+# (~10 s of CPU). FORKED imports them once, then runs train_grpo.py as __main__ in a forked child per argument
+# list: each a process of its own (a world of one), with its own output and exit status, as from the command line.
+FORKED = """
+import json, os, runpy, sys, traceback
+import train_grpo  # noqa: F401 - the imports, before forking
+from tests.tiny_model import free_port
+
+codes = []
+for i, args in enumerate(json.load(sys.stdin)):
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        log = os.open(f"{sys.argv[1]}.{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.environ["MASTER_PORT"] = str(free_port())
+        sys.argv = ["train_grpo.py", *args]
+        code = 0
+        try:
+            runpy.run_path("train_grpo.py", run_name="__main__")
+        except SystemExit as e:  # as the interpreter would: a message goes to stderr, with status 1
+            if e.code is not None and not isinstance(e.code, int):
+                print(e.code, file=sys.stderr)
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+print(json.dumps(codes))
+"""
+
+
+def launch_forked(arg_lists, timeout=300):
+    """train_grpo.py once per argument list, each as a plain single process (launch(args, nproc=0)), forked
+    from one that has done the imports (FORKED); the results in the order of `arg_lists`."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run([sys.executable, "-c", FORKED, f"{tmp}/out"], input=json.dumps(arg_lists), cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+        codes = json.loads(proc.stdout.splitlines()[-1])
+        return [SimpleNamespace(returncode=code, output=Path(f"{tmp}/out.{i}").read_text(errors="replace"))
+                for i, code in enumerate(codes)]
 
 
 def metrics_by_step(out_dir):
@@ -347,7 +398,7 @@ def test_sigterm_during_validation_stops_after_that_step(assets):
 def test_resuming_a_finished_run_does_nothing(assets, hf_run):
     before = (hf_run / "metrics.jsonl").read_text()
     checkpoints = sorted(os.listdir(hf_run))
-    proc = launch(flags(assets, hf_run, "hf", 2, "auto"))
+    proc = launch(flags(assets, hf_run, "hf", 2, "auto"), nproc=0)  # one process: no torchrun, one import
     assert proc.returncode == 0, proc.output[-6000:]
     assert "already finished 2 of 2 steps" in proc.output
     assert "step:1" not in proc.output and "done:" not in proc.output  # no training, no export
@@ -361,9 +412,10 @@ def test_val_only_scores_the_base_model_and_a_checkpoint(assets, hf_run):
     model's before training, and, pointed at the run's last checkpoint, those weights' at that step."""
     sampled = ["--val_only", "--val_n", "4", "--val_temperature", "1.0"]
     base_dir, ckpt_dir = assets["tmp"] / "val_only_base", assets["tmp"] / "val_only_ckpt"
-    base = launch(flags(assets, base_dir, "hf", 2, "disable", *sampled))
+    # single processes: greedy decoding of the 8 prompts (all of one length, unpadded) as the run's 2 ranks did
+    base, ckpt = launch_forked([flags(assets, base_dir, "hf", 2, "disable", *sampled),
+                                flags(assets, ckpt_dir, "hf", 2, str(hf_run / "global_step_2"), *sampled)])
     assert base.returncode == 0, base.output[-6000:]
-    ckpt = launch(flags(assets, ckpt_dir, "hf", 2, str(hf_run / "global_step_2"), *sampled))
     assert ckpt.returncode == 0, ckpt.output[-6000:]
     assert "resumed from" in ckpt.output and "step:1" not in ckpt.output  # scored, did not train
     (base_row,), (ckpt_row,) = metrics_by_step(base_dir).values(), metrics_by_step(ckpt_dir).values()
@@ -390,9 +442,12 @@ def write_parquet_without(src, dst, column):
     pq.write_table(table.drop([column]), dst)
 
 
-@pytest.mark.parametrize("case", ["rollout_n_1", "missing_column", "missing_reward_file", "token_budget",
-                                  "compile_update", "dump_dir_is_a_file"])
-def test_bad_input_fails_at_start_up(case, assets):
+BAD_INPUT = ["rollout_n_1", "missing_column", "missing_reward_file", "token_budget", "compile_update",
+             "dump_dir_is_a_file"]
+
+
+def bad_input(assets, case):
+    """The output folder, arguments and expected error texts of a start-up failure."""
     out = assets["tmp"] / f"bad_{case}"
     expected = []
     args = flags(assets, out, "hf", 2)
@@ -417,7 +472,20 @@ def test_bad_input_fails_at_start_up(case, assets):
         missing = assets["tmp"] / "no_such_reward.py"
         args[args.index("--custom_reward_function_path") + 1] = str(missing)
         expected = [str(missing), "--custom_reward_function_path"]
-    proc = launch(args, nproc=0, timeout=120)
+    return out, args, expected
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(assets):
+    """Each case of BAD_INPUT launched as a plain single process (one import for all: launch_forked)."""
+    cases = {case: bad_input(assets, case) for case in BAD_INPUT}
+    procs = launch_forked([args for _, args, _ in cases.values()])
+    return {case: (out, expected, proc) for (case, (out, _, expected)), proc in zip(cases.items(), procs)}
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_fails_at_start_up(case, bad_input_runs):
+    out, expected, proc = bad_input_runs[case]
     assert proc.returncode != 0
     for text in expected:
         assert text in proc.output, proc.output[-3000:]
