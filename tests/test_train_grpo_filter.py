@@ -24,16 +24,40 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
-def test_filter_groups_trains_only_on_groups_with_signal(assets, tmp_path):
-    (tmp_path / "binary.py").write_text(BINARY_REWARD)
-    out = tmp_path / "run"
-    filtered = ("--filter_groups", "--custom_reward_function_path", str(tmp_path / "binary.py"),
-                "--val_before_train", "false", "--test_freq", "-1", "--export_final", "false")
-    # 0: as many rounds as it takes (verl's meaning)
-    proc = launch(flags(assets, out, "hf", 2, "disable", *filtered, "--max_num_gen_batches", "0"))
+# the filter with GRESO's skipping; explore 1e-9: a prompt whose last group was all-equal is never generated again
+SKIPPING = ("--filter_groups", "--skip_all_equal", "--skip_explore_prob", "1e-9", "--max_num_gen_batches", "0",
+            "--val_before_train", "false", "--test_freq", "-1", "--export_final", "false")
+
+
+@pytest.fixture(scope="module")
+def skipping_run(assets, tmp_path_factory):
+    """Two steps of a run with --skip_all_equal, its first epoch (24 prompts), with the binary reward that also
+    writes down each response's train prompt (extra_info's index) and score. Nothing is skipped yet (no prompt
+    has been seen), so these steps filter as --filter_groups alone does: test_filter_groups_* checks them, and
+    test_skip_all_equal_* resumes the run into its second epoch (one launch less)."""
+    tmp = tmp_path_factory.mktemp("skipping")
+    log, reward, out = tmp / "scored.txt", tmp / "logged.py", tmp / "run"
+    reward.write_text(BINARY_REWARD + f"""
+
+_score = compute_score
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    score = _score(data_source, solution_str, ground_truth, extra_info)
+    with open({str(log)!r}, "a") as f:
+        f.write(f"{{extra_info['index']}} {{score}}\\n")
+    return score
+""")
+    # 0 (--max_num_gen_batches): as many rounds as it takes (verl's meaning)
+    proc = launch(flags(assets, out, "hf", 2, "disable", *SKIPPING, "--custom_reward_function_path", str(reward)))
     assert proc.returncode == 0, proc.output[-6000:]
-    m = metrics_by_step(out)
+    return dict(out=out, log=log, reward=reward)
+
+
+def test_filter_groups_trains_only_on_groups_with_signal(assets, skipping_run, tmp_path):
+    m = metrics_by_step(skipping_run["out"])
     for step in (1, 2):
+        assert m[step]["rollout/skipped_prompts"] == 0  # the filter's steps, as without --skip_all_equal
         # groups of 2 responses scored 0 or 1: a kept group holds one of each, so the batch's mean is 1/2
         assert m[step]["critic/score/mean"] == 0.5
         # the first round generates the whole batch of 4 prompts, later ones what is still missing (at
@@ -52,7 +76,11 @@ def test_filter_groups_trains_only_on_groups_with_signal(assets, tmp_path):
         assert kept * (1 - 1e-6) <= generated <= prompts * 2 * 16 * (1 + 1e-6)
         assert rounds == 1 or generated > kept
     assert max(m[s]["rollout/gen_rounds"] for s in (1, 2)) > 1  # the filter dropped groups and generated more
-    # the step that needed a second round stops at a limit of one, and says which flag to change
+    # the step that needed a second round stops at a limit of one, and says which flag to change (the filter
+    # alone, without --skip_all_equal)
+    (tmp_path / "binary.py").write_text(BINARY_REWARD)
+    filtered = ("--filter_groups", "--custom_reward_function_path", str(tmp_path / "binary.py"),
+                "--val_before_train", "false", "--test_freq", "-1", "--export_final", "false")
     proc = launch(flags(assets, tmp_path / "limited", "hf", 2, "disable", *filtered, "--max_num_gen_batches", "1"))
     assert proc.returncode != 0 and "after 1 generation rounds (--max_num_gen_batches)" in proc.output
 
@@ -73,28 +101,11 @@ def test_filter_groups_from_step_trains_on_one_batch_before_it(assets, tmp_path)
     assert m[3]["rollout/gen_prompts"] >= 8 and m[3]["critic/score/mean"] == 0.5
 
 
-def test_skip_all_equal_generates_again_only_prompts_that_had_signal(assets, tmp_path):
-    # the binary reward, also writing down each response's train prompt (extra_info's index) and score
-    log = tmp_path / "scored.txt"
-    (tmp_path / "logged.py").write_text(BINARY_REWARD + f"""
-
-_score = compute_score
-
-
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    score = _score(data_source, solution_str, ground_truth, extra_info)
-    with open({str(log)!r}, "a") as f:
-        f.write(f"{{extra_info['index']}} {{score}}\\n")
-    return score
-""")
-    out = tmp_path / "run"
-    # explore 1e-9: a prompt whose last group was all-equal is never generated again
-    run = ("--filter_groups", "--skip_all_equal", "--skip_explore_prob", "1e-9", "--max_num_gen_batches", "0",
-           "--custom_reward_function_path", str(tmp_path / "logged.py"), "--val_before_train", "false",
-           "--test_freq", "-1", "--export_final", "false")
-    proc = launch(flags(assets, out, "hf", 2, "disable", *run))  # epoch 1 (24 prompts): nothing to skip yet
-    assert proc.returncode == 0, proc.output[-6000:]
-    proc = launch(flags(assets, out, "hf", 4, "auto", *run))  # resumed: the streaks come from the checkpoint
+def test_skip_all_equal_generates_again_only_prompts_that_had_signal(assets, skipping_run):
+    out, log = skipping_run["out"], skipping_run["log"]  # epoch 1 (24 prompts): nothing to skip yet
+    # resumed: the streaks come from the checkpoint
+    proc = launch(flags(assets, out, "hf", 4, "auto", *SKIPPING, "--custom_reward_function_path",
+                        str(skipping_run["reward"])))
     assert proc.returncode == 0, proc.output[-6000:]
     m = metrics_by_step(out)
     assert m[1]["rollout/skipped_prompts"] == 0
