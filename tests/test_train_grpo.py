@@ -100,9 +100,9 @@ def launch(args, nproc=2, timeout=300):
     return proc
 
 
-# Most of a launch that stops at start-up, or soon after loading the model, is importing torch and transformers
-# (~10 s of CPU). FORKED imports them once, then runs train_grpo.py as __main__ in a forked child per argument
-# list: each a process of its own (a world of one), with its own output and exit status, as from the command line.
+# Most of a launch that stops at start-up is importing torch and transformers (~10 s of CPU). FORKED imports them
+# once, then runs train_grpo.py as __main__ in a forked child per argument list: each a process of its own (a world
+# of one), with its own output and exit status, as from the command line.
 FORKED = """
 import json, os, runpy, sys, traceback
 import train_grpo  # noqa: F401 - the imports, before forking
@@ -398,7 +398,7 @@ def test_sigterm_during_validation_stops_after_that_step(assets):
 def test_resuming_a_finished_run_does_nothing(assets, hf_run):
     before = (hf_run / "metrics.jsonl").read_text()
     checkpoints = sorted(os.listdir(hf_run))
-    proc = launch(flags(assets, hf_run, "hf", 2, "auto"), nproc=0)  # one process: no torchrun, one import
+    proc = launch(flags(assets, hf_run, "hf", 2, "auto"))
     assert proc.returncode == 0, proc.output[-6000:]
     assert "already finished 2 of 2 steps" in proc.output
     assert "step:1" not in proc.output and "done:" not in proc.output  # no training, no export
@@ -412,10 +412,9 @@ def test_val_only_scores_the_base_model_and_a_checkpoint(assets, hf_run):
     model's before training, and, pointed at the run's last checkpoint, those weights' at that step."""
     sampled = ["--val_only", "--val_n", "4", "--val_temperature", "1.0"]
     base_dir, ckpt_dir = assets["tmp"] / "val_only_base", assets["tmp"] / "val_only_ckpt"
-    # single processes: greedy decoding of the 8 prompts (all of one length, unpadded) as the run's 2 ranks did
-    base, ckpt = launch_forked([flags(assets, base_dir, "hf", 2, "disable", *sampled),
-                                flags(assets, ckpt_dir, "hf", 2, str(hf_run / "global_step_2"), *sampled)])
+    base = launch(flags(assets, base_dir, "hf", 2, "disable", *sampled))
     assert base.returncode == 0, base.output[-6000:]
+    ckpt = launch(flags(assets, ckpt_dir, "hf", 2, str(hf_run / "global_step_2"), *sampled))
     assert ckpt.returncode == 0, ckpt.output[-6000:]
     assert "resumed from" in ckpt.output and "step:1" not in ckpt.output  # scored, did not train
     (base_row,), (ckpt_row,) = metrics_by_step(base_dir).values(), metrics_by_step(ckpt_dir).values()
