@@ -7,7 +7,8 @@ sec. 2.2). A critic, a value head on the same body, predicts each token's return
 with the clipped surrogate (PPO eq. 7), the critic by clipped value regression (verl / PPO2's
 `cliprange_value`). Actor and critic keep separate optimizers and losses, so `--vf_coef` only scales the
 critic's loss. Variants behind flags: an adaptive KL controller, the KL as a loss term instead
-(`--use_kl_loss`), dual-clip (Ye et al. 2020), and critic warm-up. Left out: reward models (rule and user
+(`--use_kl_loss`), dual-clip (Ye et al. 2020), critic warm-up, and truncated importance sampling from the
+engine's distribution to the trainer's (`--rollout_is`). Left out: reward models (rule and user
 functions only), multi-turn rollouts, sequence parallelism, a shared actor-critic body.
 
 Run: torchrun --nproc_per_node=8 train_ppo.py --model Qwen/Qwen2.5-0.5B-Instruct
@@ -89,6 +90,12 @@ class Args:
     loss_agg_mode: str = field(default="token-mean", metadata={
         "help": "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm"})
     entropy_coeff: float = field(default=0.0, metadata={"help": "entropy bonus"})
+    rollout_is: str | None = field(default=None, metadata={
+        "help": "token | sequence: weight each token's policy loss by pi_old / pi_rollout, the trainer's over the "
+                "engine's probability of the sampled tokens, truncated at --rollout_is_threshold (truncated "
+                "importance sampling, verl's algorithm.rollout_correction.rollout_is): corrects for the engine's "
+                "numerics. Asks the engine for the log-probs of every response"})
+    rollout_is_threshold: float = field(default=2.0, metadata={"help": "rollout_is: the weights' upper bound"})
     use_kl_loss: bool = field(default=False, metadata={"help": "KL to the reference model in the loss"})
     kl_loss_coef: float | None = field(default=None, metadata={"help": "default 0.001 when use_kl_loss"})
     kl_loss_type: str = field(default="low_var_kl", metadata={"help": "k1 | k2 | k3 | low_var_kl | abs | mse"})
@@ -221,7 +228,7 @@ def agg_loss(loss_mat, response_mask, mode, num_tokens, num_seqs, max_response_l
 
 
 def compute_policy_loss(old_log_probs, log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high,
-                        clip_ratio_c):
+                        clip_ratio_c, is_weights=None):
     """Per-token clipped surrogate loss (N, T), negated once, plus its statistics (sums over tokens).
 
     PPO eq. 7: L = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A), ratio = pi/pi_old;
@@ -229,6 +236,7 @@ def compute_policy_loss(old_log_probs, log_probs, advantages, response_mask, cli
     -c * A (dual-clip, Ye et al. 2020 eq. 5), so a huge ratio on a bad token cannot blow up.
     Returns pg_losses (N, T) and sums over response tokens of: clipped (pg_clipfrac), dual-clipped
     (pg_clipfrac_lower) and -log_ratio (ppo_kl); the caller divides by the global token count.
+    is_weights (N, T), if given (`rollout_is_weights`), multiply each token's loss.
     """
     log_ratio = (log_probs - old_log_probs).clamp(-20.0, 20.0)  # exp() overflows beyond this
     ratio = torch.exp(log_ratio)
@@ -236,7 +244,7 @@ def compute_policy_loss(old_log_probs, log_probs, advantages, response_mask, cli
     surrogate = torch.min(ratio * advantages, clipped_ratio * advantages)
     dual = torch.max(surrogate, clip_ratio_c * advantages)  # only binds for A < 0
     objective = torch.where(advantages < 0, dual, surrogate)
-    pg_losses = -objective
+    pg_losses = -objective if is_weights is None else -objective * is_weights
     mask = response_mask.bool()
     stats = {
         "pg_clipfrac": ((clipped_ratio * advantages < ratio * advantages) & mask).sum(),
@@ -271,6 +279,25 @@ def explained_variance(returns, values, response_mask):
     0 = no better than their mean (verl's critic/vf_explained_var, with its 1e-5)."""
     mask = response_mask.bool()
     return (1 - (returns - values)[mask].var() / (returns[mask].var() + 1e-5)).item()
+
+
+def rollout_is_weights(old_log_probs, rollout_log_probs, response_mask, level, threshold):
+    """Truncated importance weights from the engine's sampling distribution to the trainer's (N, T).
+
+    The batch was sampled by the engine (pi_rollout), but PPO's ratio is taken against the trainer's
+    recomputed pi_old: an unbiased gradient weights each token by rho = pi_old / pi_rollout. Truncated
+    at C (Ionides 2008; Yao et al. 2025 for LLM RL): min(rho, C), trading a little bias for bounded
+    variance. token: rho_t per token; sequence: prod_t rho_t, one weight for all of a response's
+    tokens. log rho is clamped to [-20, 20] first, as verl does, so exp() cannot overflow. Zero on
+    padding; no gradient flows through the weights. Also returns the rho before truncation.
+    """
+    log_rho = (old_log_probs - rollout_log_probs) * response_mask
+    if level == "sequence":
+        log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
+    elif level != "token":
+        raise ValueError(f"--rollout_is {level!r} is not one of token, sequence")
+    rho = log_rho.clamp(-20.0, 20.0).exp() * response_mask
+    return rho.clamp(max=threshold).detach(), rho.detach()
 
 
 def kl_penalty(log_probs, ref_log_probs, kl_type):
@@ -511,6 +538,21 @@ def all_sum(*values, device):
     return t.tolist()
 
 
+def rollout_is_metrics(is_weights, rho, response_mask, threshold, device):
+    """rollout_corr/* as verl names them, over all ranks' response tokens: the weights' mean, min and max
+    (after truncation), and the share of tokens whose weight was truncated."""
+    mask = response_mask.bool()
+    total, n_tokens, n_high = all_sum(is_weights[mask].sum().item(), mask.sum().item(),
+                                      (rho[mask] > threshold).sum().item(), device=device)
+    w = is_weights[mask] if mask.any() else torch.ones(1, device=device)
+    lo_hi = torch.stack([-w.min(), w.max()]).double()  # the min as a max of negatives: one reduction
+    if dist.is_initialized():
+        dist.all_reduce(lo_hi, op=dist.ReduceOp.MAX)
+    return {"rollout_corr/rollout_is_mean": total / max(n_tokens, 1), "rollout_corr/rollout_is_min": -lo_hi[0].item(),
+            "rollout_corr/rollout_is_max": lo_hi[1].item(),
+            "rollout_corr/rollout_is_ratio_fraction_high": n_high / max(n_tokens, 1)}
+
+
 def gather_objects(obj):
     """Every rank's `obj`, in rank order, on every rank."""
     if not dist.is_initialized():
@@ -700,6 +742,10 @@ def check_args(args, world_size):
     need(args.truncation in ("error", "left", "right"), "--truncation must be error, left or right")
     need(args.reward_errors in ("raise", "zero"), "--reward_errors must be raise or zero")
     need(args.rollout_engine in ("vllm", "hf"), "--rollout_engine must be vllm or hf")
+    need(args.rollout_is in (None, "token", "sequence"),
+         f"--rollout_is {args.rollout_is!r} must be token or sequence (or left out: no correction)")
+    need(args.rollout_is_threshold >= 1, f"--rollout_is_threshold {args.rollout_is_threshold} must be at least 1: "
+         "below it the weights of tokens both engine and trainer agree on would be cut")
     need(args.engines_per_gpu >= 1, f"--engines_per_gpu {args.engines_per_gpu} must be at least 1")
     need(args.engines_per_gpu == 1 or (args.rollout_engine == "vllm" and args.tensor_model_parallel_size == 1),
          "--engines_per_gpu above 1 needs --rollout_engine vllm and --tensor_model_parallel_size 1")
@@ -806,7 +852,8 @@ def rollout(engine, examples, args, tokenizer, reward_fn, seed, n, temperature):
     rank, world = dist.get_rank(), dist.get_world_size()
     mine, my_slice = group_share(examples, rank, world, engine.tp)
     per_rank, k = len(examples) // world, args.logprob_check_prompts
-    check = [k < 0 or i % per_rank < k for i in range(len(mine))]  # the first k prompts of each rank's share
+    # the first k prompts of each rank's share; all of them when the update weighs by the engine's log-probs
+    check = [args.rollout_is is not None or k < 0 or i % per_rank < k for i in range(len(mine))]
     outs = engine.generate([e.prompt_ids for e in mine], n=n, temperature=temperature, top_p=args.top_p,
                            top_k=args.top_k, max_tokens=args.max_response_length, seed=seed, logprobs=check)
     mine, outs = mine[my_slice], outs[my_slice]
@@ -1018,7 +1065,8 @@ def main(args):
             samples = [(g["example"].prompt_ids, s.token_ids) for g in mine for s in g["samples"]]  # N/world
             T = max(max(len(r) for _, r in samples), 1)
             _, response_mask = response_targets(samples, T, device)  # (N/world, T)
-            # the engine's own log-probs of the sampled tokens, for the sync check (rows `checked`)
+            # the engine's own log-probs of the sampled tokens, for the sync check (rows `checked`; all with
+            # --rollout_is)
             checked = [i for i, s in enumerate(s for g in mine for s in g["samples"]) if s.logprobs is not None]
             rollout_log_probs = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for g in mine
                                               for s in g["samples"] if s.logprobs is not None],
@@ -1035,6 +1083,11 @@ def main(args):
                 mean_entropy = agg_loss(entropy, response_mask, args.loss_agg_mode, n_tokens, len(samples) * world,
                                         args.max_response_length)
                 metrics["actor/entropy"] = all_sum(mean_entropy.item(), device=device)[0]
+            is_weights = None
+            if args.rollout_is:  # truncated importance sampling: from the engine's distribution to the trainer's
+                is_weights, rho = rollout_is_weights(old_log_probs, rollout_log_probs, response_mask, args.rollout_is,
+                                                     args.rollout_is_threshold)
+                metrics |= rollout_is_metrics(is_weights, rho, response_mask, args.rollout_is_threshold, device)
             if ref is not None:
                 with timer("ref"):
                     ref_log_probs, _ = batched_log_probs(ref, samples, args.log_prob_micro_batch_size_per_gpu,
@@ -1088,7 +1141,7 @@ def main(args):
                         sharding.move_optimizer_state(optimizer, device)
                     metrics |= update_actor(actor, optimizer, samples, old_log_probs,
                                             ref_log_probs if args.use_kl_loss else None, advantages,
-                                            response_mask, args, step, device)
+                                            response_mask, args, step, device, is_weights)
                     scheduler.step()
                     if args.optimizer_offload:
                         sharding.move_optimizer_state(optimizer, "cpu")
@@ -1178,7 +1231,7 @@ def clip_and_step(model, optimizer, max_norm, step, lr_flag):
 
 
 def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advantages, response_mask, args, step,
-                 device):
+                 device, is_weights=None):
     """PPO-style update of the policy on a rank's share of the batch; returns actor/* metrics."""
     # train mode for the update only, as verl: Hugging Face's gradient checkpointing (and dropout, where a
     # model has any) act only in it; the log-prob passes and validation run in eval mode
@@ -1209,7 +1262,8 @@ def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advant
                 agg = dict(response_mask=mask, mode=args.loss_agg_mode, num_tokens=tokens, num_seqs=seqs,
                            max_response_length=args.max_response_length)
                 pg_losses, stats = compute_policy_loss(old, log_probs, adv, mask, args.clip_ratio_low,
-                                                       args.clip_ratio_high, args.clip_ratio_c)
+                                                       args.clip_ratio_high, args.clip_ratio_c,
+                                                       None if is_weights is None else is_weights[mb, :Tm])
                 pg_loss = agg_loss(pg_losses, **agg)
                 loss = pg_loss - args.entropy_coeff * agg_loss(entropy, **agg) if args.entropy_coeff else pg_loss
                 if ref_log_probs is not None:

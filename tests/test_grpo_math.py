@@ -31,6 +31,8 @@ from train_grpo import (
     forward_log_probs,
     kl_penalty,
     lr_lambda,
+    rollout_is_metrics,
+    rollout_is_weights,
     token_log_probs,
 )
 from tests.tiny_model import LENGTHS, GradRecorder, free_port, make_samples, tiny_config
@@ -149,6 +151,64 @@ def test_policy_loss_stats_ignore_masked_tokens():
     mask = torch.tensor([[1.0, 0.0]])
     for mode in MODES:
         assert agg_loss(clean, mask, mode, 1, 1, 2) == agg_loss(dirty, mask, mode, 1, 1, 2)
+
+
+# --- truncated importance sampling (--rollout_is) -------------------------------------------------
+
+
+def test_rollout_is_weights_by_hand():
+    # row 0: pi_old / pi_rollout = 0.5 / 0.25 = 2 and 0.2 / 0.4 = 0.5; its third token is padding (garbage)
+    # row 1: 0.6 / 0.3 = 2 and 0.6 / 0.4 = 1.5; no padding
+    log = torch.log
+    old = log(torch.tensor([[0.5, 0.2, 0.9], [0.6, 0.6, 0.1]]))
+    rollout = log(torch.tensor([[0.25, 0.4, 0.01], [0.3, 0.4, 0.1]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    # token level, truncated at 1.5: min(2, 1.5) = 1.5, 0.5, padding 0; 1.5, 1.5, 1
+    weights, rho = rollout_is_weights(old, rollout, mask, "token", 1.5)
+    close(weights, [[1.5, 0.5, 0.0], [1.5, 1.5, 1.0]])
+    close(rho, [[2.0, 0.5, 0.0], [2.0, 1.5, 1.0]])
+    # sequence level: row 0's product 2 * 0.5 = 1 (the padding's ratio 90 left out); row 1's 2 * 1.5 * 1 = 3,
+    # truncated at 2; the same weight on every token of a response
+    weights, rho = rollout_is_weights(old, rollout, mask, "sequence", 2.0)
+    close(weights, [[1.0, 1.0, 0.0], [2.0, 2.0, 2.0]])
+    close(rho, [[1.0, 1.0, 0.0], [3.0, 3.0, 3.0]])
+    assert not weights.requires_grad
+
+
+def test_rollout_is_weights_stay_finite_and_name_the_flag():
+    # log rho = 50 would overflow in fp32 after exp(); clamped to 20 first, then truncated
+    weights, rho = rollout_is_weights(torch.tensor([[0.0, -60.0]]), torch.tensor([[-50.0, 0.0]]),
+                                      torch.ones(1, 2), "token", 2.0)
+    close(weights, [[2.0, math.exp(-20)]])
+    assert torch.isfinite(rho).all() and rho[0, 0].item() == pytest.approx(math.exp(20), rel=1e-5)
+    with pytest.raises(ValueError, match="--rollout_is 'geometric' is not one of token, sequence"):
+        rollout_is_weights(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), "geometric", 2.0)
+
+
+def test_rollout_is_metrics_by_hand():
+    # weights (after truncation at 1.5) on the 5 unmasked tokens: 1.5, 0.5, 1.5, 1.5, 1.0 -> mean 6 / 5 = 1.2;
+    # 3 of the 5 had rho above 1.5 (2, 2, 1.6: the 1.5 on row 1 was truncated from 1.6)
+    weights = torch.tensor([[1.5, 0.5, 0.0], [1.5, 1.5, 1.0]])
+    rho = torch.tensor([[2.0, 0.5, 7.0], [2.0, 1.6, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    m = rollout_is_metrics(weights, rho, mask, 1.5, "cpu")
+    assert m == pytest.approx({"rollout_corr/rollout_is_mean": 1.2, "rollout_corr/rollout_is_min": 0.5,
+                               "rollout_corr/rollout_is_max": 1.5,
+                               "rollout_corr/rollout_is_ratio_fraction_high": 0.6})
+
+
+def test_policy_loss_with_is_weights_scales_each_tokens_loss():
+    # the tokens of test_policy_loss_clip_and_dual_clip_by_hand, weighted 2, 0.5, 1, 0, 1.5: each loss times
+    # its weight; the clipping and its statistics are those of the ratio alone
+    log_ratio = [0.2, -0.5, math.log(5), math.log(0.5), math.log(2)]
+    adv = torch.tensor([[1.0, 1, -1, -1, -2]])
+    old = torch.full_like(adv, -2.0)
+    mask = torch.ones_like(adv)
+    weights = torch.tensor([[2.0, 0.5, 1.0, 0.0, 1.5]])
+    pg_losses, stats = compute_policy_loss(old, old + torch.tensor([log_ratio]), adv, mask, 0.2, 0.2, 3.0, weights)
+    close(pg_losses, [[-2.4, -0.303265, 3.0, 0.0, 6.0]])
+    plain_stats = compute_policy_loss(old, old + torch.tensor([log_ratio]), adv, mask, 0.2, 0.2, 3.0)[1]
+    assert {k: v.item() for k, v in stats.items()} == {k: v.item() for k, v in plain_stats.items()}
 
 
 # --- KL ------------------------------------------------------------------------------------------
@@ -345,6 +405,8 @@ def test_check_args_accepts_a_good_config_and_fills_defaults():
     (dict(engines_per_gpu=2, rollout_engine="hf"), 2, "--engines_per_gpu above 1 needs --rollout_engine vllm"),
     (dict(engines_per_gpu=2, tensor_model_parallel_size=2), 2, "and --tensor_model_parallel_size 1"),
     (dict(resume_mode="/no/such/global_step_3"), 2, "--resume_mode"),
+    (dict(rollout_is="geometric"), 2, "--rollout_is 'geometric' must be token or sequence"),
+    (dict(rollout_is="token", rollout_is_threshold=0.5), 2, "--rollout_is_threshold 0.5 must be at least 1"),
     (dict(gen_batch_size=16), 2, "--gen_batch_size only applies with --filter_groups"),
     (dict(gen_batch_size=6, filter_groups=True), 4, "--gen_batch_size 6 must be 0 or a multiple of the number of GPUs"),
     (dict(gen_batch_size=-8, filter_groups=True), 2, "--gen_batch_size -8 must be 0 or a multiple"),
@@ -797,7 +859,21 @@ def test_micro_batching_leaves_the_gradient_unchanged(model, mode, packed):
             torch.testing.assert_close(split[name], whole[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
-def update_actor_steps(model, args, ref=True):
+def test_update_actor_weighs_the_policy_gradient_by_the_is_weights(model, monkeypatch):
+    """--rollout_is: weights of 1 take the same steps as none; weights of 0.5 halve the first step's gradient
+    (no KL or entropy term, no clipping of the norm: the loss is the policy loss alone)."""
+    monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
+    args = Args(rollout_n=2, train_batch_size=2, ppo_mini_batch_size=1, grad_clip=1e9, use_kl_loss=False)
+    plain = update_actor_steps(model, args, ref=False)
+    ones = update_actor_steps(model, args, ref=False, is_weights=torch.ones(4, 6))
+    halves = update_actor_steps(model, args, ref=False, is_weights=torch.full((4, 6), 0.5))
+    for name in plain[0][0]:
+        torch.testing.assert_close(ones[0][0][name], plain[0][0][name], msg=name)
+        torch.testing.assert_close(halves[0][0][name], 0.5 * plain[0][0][name], msg=name)
+    assert ones[1]["actor/pg_loss"] == pytest.approx(plain[1]["actor/pg_loss"])
+
+
+def update_actor_steps(model, args, ref=True, is_weights=None):
     """update_actor at a world size of one (the caller patches dist.get_world_size) on 2 prompts x n = 2
     of fixed samples, old and reference log-probs (none if not `ref`: no KL loss) and advantages: the
     gradient at each optimizer step (GradRecorder) and the metrics."""
@@ -812,7 +888,8 @@ def update_actor_steps(model, args, ref=True):
     recorder = GradRecorder(model)
     model.zero_grad(set_to_none=True)  # the trainer enters each update with no gradients
     metrics = train_grpo.update_actor(model, recorder, samples, old_log_probs, ref_log_probs if ref else None,
-                                      advantages, mask, args, step=1, device=torch.device("cpu"))
+                                      advantages, mask, args, step=1, device=torch.device("cpu"),
+                                      is_weights=is_weights)
     return recorder.steps, metrics
 
 

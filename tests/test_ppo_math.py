@@ -230,6 +230,8 @@ def good_args(**kw):
     (dict(kl_ctrl_type="pid"), "--kl_ctrl_type"),
     (dict(kl_penalty="k4"), "--kl_penalty"),
     (dict(engines_per_gpu=2, rollout_engine="hf"), "--engines_per_gpu above 1 needs --rollout_engine vllm"),
+    (dict(rollout_is="seq"), "--rollout_is 'seq' must be token or sequence"),
+    (dict(rollout_is="sequence", rollout_is_threshold=0.9), "--rollout_is_threshold 0.9 must be at least 1"),
     (dict(use_kl_in_reward=False, kl_coef=0.01), "--kl_coef is set but --use_kl_in_reward is false"),
 ])
 def test_check_args_names_the_flag(kw, flag):
@@ -354,3 +356,15 @@ def test_update_actor_with_fused_kernels_takes_the_same_steps(monkeypatch):
             torch.testing.assert_close(b[name], a[name], atol=1e-5, rtol=1e-5, msg=name)
     for k in metrics:
         assert fused_metrics[k] == pytest.approx(metrics[k], rel=1e-5, abs=1e-6), k
+
+
+def test_rollout_is_weights_and_the_weighted_policy_loss_by_hand():
+    # pi_old / pi_rollout = 0.5 / 0.25 = 2 (truncated at 1.5) and 0.2 / 0.4 = 0.5; the third token is padding.
+    # Policy loss at ratio 1 (log_probs = old): -A per token; weighted: -1.5 * 1 and -0.5 * -2 = 1
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    weights, _ = train_ppo.rollout_is_weights(old, torch.log(torch.tensor([[0.25, 0.4, 0.01]])), mask, "token", 1.5)
+    close(weights, [[1.5, 0.5, 0.0]])
+    pg_losses, _ = train_ppo.compute_policy_loss(old, old, torch.tensor([[1.0, -2.0, 0.0]]), mask, 0.2, 0.2, 3.0,
+                                                 weights)
+    close(pg_losses, [[-1.5, 1.0, 0.0]])

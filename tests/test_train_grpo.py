@@ -61,10 +61,8 @@ def raw_rows(k, seed):
     return rows
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    """Parquet files (24 train / 8 test prompts), the tiny model and the reward file."""
-    tmp = tmp_path_factory.mktemp("grpo_e2e")
+def make_assets(tmp):
+    """Parquet files (24 train / 8 test prompts), the tiny model and the reward file, in folder `tmp`."""
     raw = tmp / "raw"
     raw.mkdir()
     for split, k, seed in (("train", 24, 0), ("test", 8, 1)):
@@ -73,6 +71,11 @@ def assets(tmp_path_factory):
                     str(tmp / "data")], cwd=ROOT, check=True, capture_output=True)
     (tmp / "reward_fn.py").write_text(REWARD)
     return dict(tmp=tmp, model=make_tiny_model(str(tmp / "model")), data=tmp / "data", reward=tmp / "reward_fn.py")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return make_assets(tmp_path_factory.mktemp("grpo_e2e"))
 
 
 def flags(assets, out_dir, engine, steps, resume="disable", *extra):

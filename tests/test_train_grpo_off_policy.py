@@ -74,16 +74,25 @@ def test_one_step_off_policy_trains_each_batch_one_update_after_the_weights_that
     # resumed from step 1's checkpoint, taken while step 2's batch was generating: the checkpoint holds
     # the data position before that batch, so the resumed run draws it again (on-policy: it is generated
     # after the resume, with step 1's weights), and step 3 goes on as before. The data position is the
-    # trainer's, whatever the engine: the transformers engine generates (no vLLM start)
+    # trainer's, whatever the engine: the transformers engine generates (no vLLM start). With --rollout_is:
+    # truncated importance weights from the engine's sampling distribution to the trainer's
     resumed, resumed_dumps = tmp_path / "resumed", tmp_path / "resumed_rollouts"
     proc = launch(flags(assets, resumed, "hf", 3, str(out / "global_step_1"), *common,
-                        "--rollout_data_dir", str(resumed_dumps)))
+                        "--rollout_data_dir", str(resumed_dumps), "--rollout_is", "token",
+                        "--rollout_is_threshold", "1.001"))
     assert proc.returncode == 0, proc.output[-6000:]
     r = metrics_by_step(resumed)
     assert sorted(r) == [2, 3]
     for step in (2, 3):
         assert trained_prompts(resumed_dumps, step, index) == set(order[step - 1])
     assert r[2]["rollout/logprob_gap_mean"] < 1e-5 < 1e-3 < r[3]["rollout/logprob_gap_mean"]
+    # step 2 sampled with the weights it trains from: every weight is 1 (to fp32's precision); step 3 with the
+    # weights one update back: the weights spread, and those above the threshold are cut to it
+    w = {step: {k.split("/")[-1]: v for k, v in r[step].items() if k.startswith("rollout_corr/")} for step in (2, 3)}
+    assert w[2]["rollout_is_mean"] == pytest.approx(1.0, abs=1e-5), w
+    assert w[2]["rollout_is_ratio_fraction_high"] == 0.0, w
+    assert w[3]["rollout_is_min"] < 0.999 and w[3]["rollout_is_max"] == pytest.approx(1.001), w
+    assert 0 < w[3]["rollout_is_ratio_fraction_high"] < 1, w
 
 
 def test_one_step_off_policy_refuses_tensor_parallel_rollouts():

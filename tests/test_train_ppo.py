@@ -99,9 +99,10 @@ def hf_run(assets):  # micro-batches by token budget (same count on both ranks);
 
 @pytest.fixture(scope="module")
 def vllm_run(assets):  # actor, reference and critic compiled, updates too (the hf run stays eager); vLLM
-    # decodes one sequence at a time, the others waiting for its slot
+    # decodes one sequence at a time, the others waiting for its slot; the policy loss weighted by the
+    # engine's log-probs (--rollout_is)
     return two_step_run(assets, "vllm", "--use_torch_compile", "true", "--compile_layers", "true",
-                        "--compile_update", "true", "--max_num_seqs", "1")
+                        "--compile_update", "true", "--max_num_seqs", "1", "--rollout_is", "sequence")
 
 
 def check_metrics(m, names, step):
@@ -135,6 +136,11 @@ def test_two_steps_log_every_metric_and_change_actor_and_critic(run, assets, req
 
     if run == "vllm_run":  # --max_num_seqs reached the engine (vLLM logs the arguments it was given)
         assert "'max_num_seqs': 1," in (assets["tmp"] / f"{out.name}.log").read_text()
+        for step in (1, 2):  # --rollout_is sequence: the fp32 engine samples from the trainer's distribution
+            assert m[step]["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)
+            assert m[step]["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0
+    else:
+        assert not [k for k in m[2] if k.startswith("rollout_corr/")]  # no --rollout_is: no weights
 
     initial = load_file(f"{assets['model']}/model.safetensors")
     final = load_file(out / "hf_model" / "model.safetensors")
