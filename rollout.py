@@ -122,6 +122,8 @@ ON_CPU = {"dtype": "float32", "enforce_eager": True}
 class VLLMEngine:
     """An in-process vLLM engine bound to this rank (see the module docstring)."""
 
+    in_process = True  # its forwards run in this interpreter: a generating thread takes turns with traces
+
     def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
                  max_model_len: int = 2048, seed: int = 0, dtype: str = "bfloat16", enforce_eager: bool = False,
                  load_format: str = "auto", max_num_seqs: int = 1024, torch_compile: bool = False,
@@ -258,6 +260,8 @@ class EnginePool:
     buffer costs one more copy of the weights in the trainer's memory. The engines start together, so each
     is given its KV cache's size instead of measuring the memory left, which the others' start would upset.
     """
+
+    in_process = False  # its engines' forwards run in their own processes: no turns to take with traces
 
     def __init__(self, model_path: str, *, engines: int, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, max_num_seqs: int = 1024, seed: int = 0,
@@ -478,6 +482,8 @@ class HFEngine:
     """transformers `generate` behind the same interface: for machines without vLLM, and as the
     reference the vLLM engine is tested against. Holds its own unsharded copy of the model."""
 
+    in_process = True
+
     def __init__(self, model_path_or_model, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", tensor_parallel_size: int = 1, max_batch_size: int = 64, **_):
         from transformers import AutoModelForCausalLM
@@ -623,13 +629,17 @@ def exclusive_tracing() -> None:
 
 
 @contextlib.contextmanager
-def turn_to_generate():
+def turn_to_generate(engine=None):
     """FX_TURN for a generation beside the trainer, taken after torch.compile's own lock, which compiles hold
     while they trace: vLLM compiles a few helpers itself, and a compile in this thread waiting for that lock
     while the trainer's compile, holding it, waits for FX_TURN would never end. Taken in the same order as a
-    compile takes them, the two locks cannot deadlock."""
+    compile takes them, the two locks cannot deadlock. Nothing to take for an `engine` whose forwards run in
+    other processes (EnginePool)."""
     import torch._dynamo.convert_frame
 
+    if engine is not None and not engine.in_process:
+        yield
+        return
     with getattr(torch._dynamo.convert_frame, "compile_lock", contextlib.nullcontext()), FX_TURN:
         yield
 

@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 import reward
 import sharding
 from data.dataset import load_rl_dataset
-from rollout import EnginePool, exclusive_tracing, group_share, logprob_gap, make_engine, turn_to_generate
+from rollout import exclusive_tracing, group_share, logprob_gap, make_engine, turn_to_generate
 
 IMPORTED = time.time()
 
@@ -1040,12 +1040,11 @@ def main(args):
     if overlap:  # (CUDA's current device is per thread: the second one would start on GPU 0)
         init = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
         pool = concurrent.futures.ThreadPoolExecutor(1, "rollout", *init)
-        exclusive_tracing()  # the trainer's compiles and that thread's generations take turns (rollout.py)
+        if engine.in_process:  # the trainer's compiles and that thread's generations take turns (rollout.py)
+            exclusive_tracing()
 
     def generate_beside(step):
-        if isinstance(engine, EnginePool):  # its engines run in processes of their own: no turns to take
-            return generate_batch(step)
-        with turn_to_generate():
+        with turn_to_generate(engine):
             return generate_batch(step)
 
     # that thread gathers the ranks' groups over a group of its own: the trainer's collectives run meanwhile

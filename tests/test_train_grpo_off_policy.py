@@ -152,3 +152,26 @@ def test_generation_and_torch_compile_take_turns():
     assert forwards_during_a_trace(torch.fx.Tracer.trace, lambda: rollout.FX_TURN) == []
     # the generating thread's turn: compile's lock, then FX_TURN (re-entrant both: the thread may compile)
     assert forwards_during_a_trace(torch.fx.Tracer.trace, rollout.turn_to_generate) == []
+
+
+def test_engines_in_other_processes_take_no_turn():
+    """An EnginePool's forwards run in its engines' processes: its generating thread takes no turn, so it is
+    not held up by the trainer's compiles (entered here while another thread holds FX_TURN)."""
+    assert not rollout.EnginePool.in_process and rollout.VLLMEngine.in_process and rollout.HFEngine.in_process
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with rollout.FX_TURN:
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    try:
+        with rollout.turn_to_generate(rollout.EnginePool.__new__(rollout.EnginePool)):
+            pass
+        assert not rollout.FX_TURN.acquire(blocking=False)  # still the other thread's: the locks were not taken
+    finally:
+        release.set()
+        holder.join()
