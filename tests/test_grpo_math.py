@@ -1072,3 +1072,19 @@ def test_phase_peaks_leave_out_the_sleeping_engines_pool(script, monkeypatch):
     with Timer(plain, torch.device("cuda"))("save_checkpoint"):
         memory.peak = 130 * 2**30
     assert plain["perf/max_memory_allocated_gb/save_checkpoint"] == 130.0
+
+
+@pytest.mark.parametrize("script", ["train_grpo", "train_ppo"])
+def test_logger_close_finishes_the_background_loggers(script, tmp_path):
+    """A finished run ends with os._exit, which runs no exit hooks: the run itself finishes the wandb run and
+    writes tensorboard's pending events (stand-ins here: neither package is installed for the tests)."""
+    import train_ppo
+
+    module = train_grpo if script == "train_grpo" else train_ppo
+    calls = []
+    logger = module.Logger(module.Args(logger="jsonl"), str(tmp_path))
+    logger.close()  # none of them on: nothing to close
+    logger.wandb = SimpleNamespace(finish=lambda: calls.append("wandb"))
+    logger.tb = SimpleNamespace(close=lambda: calls.append("tensorboard"))
+    logger.close()
+    assert calls == ["wandb", "tensorboard"]
