@@ -21,10 +21,11 @@ endif
 	touch $@
 
 # The whole CPU suite: unit tests, torchrun multi-process tests and end-to-end train steps, in
-# TEST_WORKERS processes (a test file stays in one, so its module fixtures are built once).
+# TEST_WORKERS processes (a test file stays in one, so its module fixtures are built once), the slowest
+# files first (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # GPU-only checks (skip cleanly without a GPU): the engine on NCCL with sleep mode, bf16 parity.
 # GPU targets do not install: GPU machines may be offline (see docs/gpu.md for staging vLLM there).
