@@ -98,7 +98,8 @@ class Args:
                 "probability of the sampled tokens, truncated at --rollout_is_threshold (truncated importance "
                 "sampling, verl's algorithm.rollout_correction.rollout_is): corrects for the engine's numerics "
                 "and, with --one_step_off_policy, for the update between the weights that sampled and the "
-                "trainer's. Asks the engine for the log-probs of every response"})
+                "trainer's. Asks the engine for the log-probs of every response. With --top_p or --top_k on, the "
+                "engine's are of the truncated distribution, so the weights sit below 1"})
     rollout_is_threshold: float = field(default=2.0, metadata={"help": "rollout_is: the weights' upper bound"})
     use_kl_loss: bool = field(default=True, metadata={"help": "KL to the reference model in the loss"})
     kl_loss_coef: float | None = field(default=None, metadata={"help": "default 0.001 when use_kl_loss"})

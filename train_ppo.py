@@ -95,7 +95,8 @@ class Args:
         "help": "token | sequence: weight each token's policy loss by pi_old / pi_rollout, the trainer's over the "
                 "engine's probability of the sampled tokens, truncated at --rollout_is_threshold (truncated "
                 "importance sampling, verl's algorithm.rollout_correction.rollout_is): corrects for the engine's "
-                "numerics. Asks the engine for the log-probs of every response"})
+                "numerics. Asks the engine for the log-probs of every response. With --top_p or --top_k on, the "
+                "engine's are of the truncated distribution, so the weights sit below 1"})
     rollout_is_threshold: float = field(default=2.0, metadata={"help": "rollout_is: the weights' upper bound"})
     use_kl_loss: bool = field(default=False, metadata={"help": "KL to the reference model in the loss"})
     kl_loss_coef: float | None = field(default=None, metadata={"help": "default 0.001 when use_kl_loss"})
