@@ -157,6 +157,14 @@ def metrics_by_step(out_dir):
         return {row["step"]: row for row in map(json.loads, f)}
 
 
+def val_only_metrics(assets, checkpoint, out_dir):
+    """--val_only on a checkpoint (a global_step_N folder) with the transformers engine, as one process: its
+    metrics at that step. fp32 on CPU, its greedy tokens are vLLM's (tests/dist/engine_checks.py checks it)."""
+    proc = launch(flags(assets, out_dir, "hf", 3, str(checkpoint), "--val_only", "--export_final", "false"), nproc=0)
+    assert proc.returncode == 0, proc.output[-6000:]
+    return metrics_by_step(out_dir)[int(Path(checkpoint).name.rsplit("_", 1)[1])]
+
+
 def two_step_run(assets, engine, *extra):
     out = assets["tmp"] / f"run_{engine}"
     proc = launch(flags(assets, out, engine, 2, "disable", *extra))

@@ -20,7 +20,7 @@ import torch
 import rollout
 import train_grpo
 from tests import test_train_grpo
-from tests.test_train_grpo import flags, launch, metrics_by_step
+from tests.test_train_grpo import flags, launch, metrics_by_step, val_only_metrics
 
 assets = test_train_grpo.assets  # the same fixture: parquet files, tiny model, reward file
 
@@ -64,10 +64,7 @@ def test_one_step_off_policy_trains_each_batch_one_update_after_the_weights_that
     # step 2's validation scored step 2's weights: the same as the checkpoint's, scored by --val_only
     # (greedy decoding of the same weights; fp32 on CPU, where transformers' greedy tokens are vLLM's, as
     # tests/dist/engine_checks.py checks: one process with the transformers engine, no vLLM start)
-    val = launch(flags(assets, tmp_path / "val", "hf", 3, str(out / "global_step_2"), "--val_only",
-                       "--export_final", "false"), nproc=0)
-    assert val.returncode == 0, val.output[-6000:]
-    scored = metrics_by_step(tmp_path / "val")[2]
+    scored = val_only_metrics(assets, out / "global_step_2", tmp_path / "val")
     key = "val-core/openai/gsm8k/reward/mean@1"
     assert scored[key] == pytest.approx(m[2][key], abs=1e-9)
 
