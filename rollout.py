@@ -257,8 +257,9 @@ class EnginePool:
     prompts into K contiguous shares, engine i sampling its share with seed + i. The weights travel through
     one flat buffer that this process owns and every engine maps (CUDA IPC on a GPU, shared memory on CPU):
     a push copies the trainer's full tensors into it, then the K engines load from views of it at once. The
-    buffer costs one more copy of the weights in the trainer's memory. The engines start together, so each
-    is given its KV cache's size instead of measuring the memory left, which the others' start would upset.
+    buffer is one more copy of the weights; it lives from a push to the next sleep, so the trainer does not
+    hold it while it trains. The engines start together, so each is given its KV cache's size instead of
+    measuring the memory left, which the others' start would upset.
     """
 
     in_process = False  # its engines' forwards run in their own processes: no turns to take with traces
@@ -271,7 +272,7 @@ class EnginePool:
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
         self.dp_rank, self.dp_size, self.tp_rank, self.tp = rank, world, 0, 1
         self.on_gpu, self.sleeping = torch.cuda.is_available(), False
-        self.buffer, self.layout = None, None
+        self.buffer, self.layout, self.buffer_kind = None, None, None
         kwargs = dict(engine_kwargs, dtype=dtype, max_num_seqs=-(-max_num_seqs // engines),
                       gpu_memory_utilization=gpu_memory_utilization / engines)
         env = {}
@@ -332,9 +333,16 @@ class EnginePool:
         return [out for outs in self._collect("generate", busy) for out in outs]
 
     def sleep(self) -> None:
+        """The engines release their weights and KV cache (on a GPU), and the weight buffer goes: every engine
+        drops its views of it, then this process frees it. The next push allocates and maps it again."""
         if self.on_gpu and not self.sleeping:
             self._all("sleep")
             self.sleeping = True
+        if self.buffer is not None:
+            self._all("unmap_weights")
+            self.buffer = None
+            if self.on_gpu:
+                torch.cuda.empty_cache()  # back to the GPU, as the engines' own memory went
 
     def wake_up(self) -> None:
         if self.on_gpu and self.sleeping:
@@ -347,24 +355,25 @@ class EnginePool:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full tensors named as in the Hugging Face checkpoint into the shared buffer, then have every
         engine load them (waking it first, as VLLMEngine.update_weights does). The first push sets the
-        buffer's layout; later ones must bring the same names and shapes."""
-        if self.buffer is None:
-            named = [(name, t.detach()) for name, t in named_tensors]
+        buffer's layout; later ones must bring the same names and shapes. After a sleep the buffer is
+        allocated again and every engine maps it anew."""
+        if self.layout is None:  # the first push: its tensors give the layout, so they are all taken at once
+            named_tensors = [(name, t.detach()) for name, t in named_tensors]
             offsets = [0]
-            for _, t in named:
+            for _, t in named_tensors:
                 offsets.append(offsets[-1] + t.numel())
-            self.layout = [(name, offsets[j], t.shape) for j, (name, t) in enumerate(named)]
-            dtypes = {t.dtype for _, t in named}
+            dtypes = {t.dtype for _, t in named_tensors}
             if len(dtypes) != 1:
                 raise ValueError(f"EnginePool.update_weights: one dtype expected, got {sorted(map(str, dtypes))}")
-            self.buffer = torch.empty(offsets[-1], dtype=dtypes.pop(), device=named[0][1].device)
+            self.layout = [(name, offsets[j], t.shape) for j, (name, t) in enumerate(named_tensors)]
+            self.buffer_kind = (offsets[-1], dtypes.pop(), named_tensors[0][1].device)
+        mapped = self.buffer is not None
+        if not mapped:
+            size, dtype, device = self.buffer_kind
+            self.buffer = torch.empty(size, dtype=dtype, device=device)
             if not self.buffer.is_cuda:
                 self.buffer.share_memory_()
-            for (name, offset, shape), (_, t) in zip(self.layout, named):
-                self.buffer[offset:offset + t.numel()].copy_(t.reshape(-1))
-            del named
-            self._all("map_weights", *_shareable(self.buffer), self.layout)
-        else:
+        try:
             n = 0
             for (name, t), (expected, offset, shape) in zip(named_tensors, self.layout):
                 if name != expected or t.shape != shape:
@@ -374,10 +383,17 @@ class EnginePool:
                 n += 1
             if n != len(self.layout):
                 raise ValueError(f"EnginePool.update_weights: {n} tensors, the first push had {len(self.layout)}")
+        except BaseException:
+            if not mapped:  # no engine has seen it: the next push starts over
+                self.buffer = None
+            raise
+        del named_tensors
         if self.on_gpu:
             torch.cuda.current_stream().synchronize()  # the copies are done before other processes read
             if self.sleeping:
                 torch.cuda.empty_cache()  # what torch caches for the trainer: the engines wake into it
+        if not mapped:
+            self._all("map_weights", *_shareable(self.buffer), self.layout)
         self._all("load_weights")
         self.sleeping = False
 
@@ -423,11 +439,16 @@ def _serve_engine(conn, model_path: str, kwargs: dict, env: dict) -> None:
             if command == "close":
                 conn.send(("ok", None))
                 return
-            if command == "map_weights":  # once: the trainer's buffer, and where each tensor lies in it
+            if command == "map_weights":  # the trainer's buffer, and where each tensor lies in it
                 rebuild, fields, layout = args
                 buffer = rebuild(*fields)
                 views = [(name, buffer[offset:offset + shape.numel()].view(shape)) for name, offset, shape in layout]
+                del buffer
+            elif command == "unmap_weights":  # the trainer frees the buffer once every engine has let go of it
+                views = []
             elif command == "load_weights":
+                if not views:
+                    raise RuntimeError("load_weights before map_weights: this engine has no weights to load")
                 engine.update_weights(iter(views))
                 if engine.on_gpu:
                     torch.cuda.synchronize()  # loaded before the trainer may write the buffer again
@@ -436,6 +457,8 @@ def _serve_engine(conn, model_path: str, kwargs: dict, env: dict) -> None:
                 value = engine.generate(prompts, **share)
             elif command in ("sleep", "wake_up"):
                 getattr(engine, command)()
+                if command == "sleep" and engine.on_gpu:
+                    torch.cuda.empty_cache()  # all that torch caches in this process serves the sleeping engine
             else:
                 raise ValueError(f"unknown command {command!r}")
             conn.send(("ok", value))

@@ -64,11 +64,17 @@ def test_pool_serves_the_pushed_weights_in_prompt_order(pool, tiny_dir, prompts)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    outputs = []
     with torch.no_grad():
-        for step in range(2):  # the first push sets the shared buffer up, the second rewrites it
+        # the first push sets the shared buffer up, the second rewrites it, the third maps a new one: a sleep
+        # took the buffer away (on CPU the engines stay awake, but the buffer goes all the same)
+        for step in range(3):
             if step:
                 for p in model.parameters():
                     p.add_(0.05 * torch.randn_like(p))
+            if step == 2:
+                pool.sleep()
+                assert pool.buffer is None
             pool.update_weights(model.named_parameters())
             got = pool.generate(prompts, n=2, temperature=0, max_tokens=8)
             want = transformers_greedy(model, prompts, 8)
@@ -77,9 +83,8 @@ def test_pool_serves_the_pushed_weights_in_prompt_order(pool, tiny_dir, prompts)
                 for sample in group:
                     assert sample.token_ids == tokens
                     assert sample.logprobs == pytest.approx(lps, abs=1e-4)
-            if step == 0:
-                first = got
-    assert [[s.token_ids for s in g] for g in got] != [[s.token_ids for s in g] for g in first]
+            outputs.append([[s.token_ids for s in g] for g in got])
+    assert outputs[0] != outputs[1] != outputs[2]
 
 
 def test_pool_sampling_seeds_each_engine_apart(pool, prompts):
@@ -103,6 +108,10 @@ def test_pool_reports_an_engines_error_and_goes_on(pool, prompts):
     params = [(f"model.{n}", p) for n, p in [("norm.weight", torch.ones(128))]]
     with pytest.raises(ValueError, match="got model.norm.weight"):
         pool.update_weights(params)
+    pool.sleep()  # a push into a new buffer that fails leaves none behind, for the next push to start over
+    with pytest.raises(ValueError, match="got model.norm.weight"):
+        pool.update_weights(params)
+    assert pool.buffer is None
 
 
 def test_make_engine_refuses_a_pool_of_transformers_engines(tiny_dir):
