@@ -21,6 +21,7 @@ reached vLLM; this makes such a bug visible on the first step).
 import atexit
 import contextlib
 import functools
+import gc
 import os
 import threading
 import traceback
@@ -342,6 +343,7 @@ class EnginePool:
             self._all("unmap_weights")
             self.buffer = None
             if self.on_gpu:
+                torch.cuda.ipc_collect()  # frees what an engine let go of late
                 torch.cuda.empty_cache()  # back to the GPU, as the engines' own memory went
 
     def wake_up(self) -> None:
@@ -379,7 +381,7 @@ class EnginePool:
                 if name != expected or t.shape != shape:
                     raise ValueError(f"EnginePool.update_weights: got {name} {tuple(t.shape)} where the first push "
                                      f"had {expected} {tuple(shape)}")
-                self.buffer[offset:offset + t.numel()].copy_(t.reshape(-1))
+                self.buffer[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
                 n += 1
             if n != len(self.layout):
                 raise ValueError(f"EnginePool.update_weights: {n} tensors, the first push had {len(self.layout)}")
@@ -393,7 +395,11 @@ class EnginePool:
             if self.sleeping:
                 torch.cuda.empty_cache()  # what torch caches for the trainer: the engines wake into it
         if not mapped:
-            self._all("map_weights", *_shareable(self.buffer), self.layout)
+            # one record per engine: torch counts the readers of a shared CUDA tensor per record sent, and keeps
+            # the memory until each has let go
+            for conn in self.conns:
+                conn.send(("map_weights", (*_shareable(self.buffer), self.layout)))
+            self._collect("map_weights")
         self._all("load_weights")
         self.sleeping = False
 
@@ -443,9 +449,10 @@ def _serve_engine(conn, model_path: str, kwargs: dict, env: dict) -> None:
                 rebuild, fields, layout = args
                 buffer = rebuild(*fields)
                 views = [(name, buffer[offset:offset + shape.numel()].view(shape)) for name, offset, shape in layout]
-                del buffer
+                del buffer, rebuild, fields, layout, args  # the views alone hold the buffer (on CPU, so does fields)
             elif command == "unmap_weights":  # the trainer frees the buffer once every engine has let go of it
                 views = []
+                gc.collect()
             elif command == "load_weights":
                 if not views:
                     raise RuntimeError("load_weights before map_weights: this engine has no weights to load")
