@@ -7,6 +7,7 @@ answer is checked against transformers on the same weights: greedy tokens exactl
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -44,6 +45,11 @@ def prompts():
     return [tok.encode(p) for p in ["hi", "The quick brown fox", "1 + 2 =", "tiny models say", "a b c d e f"]]
 
 
+def maps_my_shared_memory(pid: int) -> list[str]:
+    """The shared-memory files of this process (torch names them torch_<pid>_...) that process `pid` maps."""
+    return re.findall(rf"/dev/shm/torch_{os.getpid()}_\S+", Path(f"/proc/{pid}/maps").read_text())
+
+
 def transformers_greedy(model, prompts, max_tokens):
     """Greedy tokens and their log-probs (of the raw logits) by transformers, prompt by prompt."""
     out = []
@@ -73,8 +79,11 @@ def test_pool_serves_the_pushed_weights_in_prompt_order(pool, tiny_dir, prompts)
                 for p in model.parameters():
                     p.add_(0.05 * torch.randn_like(p))
             if step == 2:
+                assert all(maps_my_shared_memory(proc.pid) for proc in pool.procs)
                 pool.sleep()
                 assert pool.buffer is None
+                # every engine let go of it, so the memory went with the trainer's last reference
+                assert not any(maps_my_shared_memory(proc.pid) for proc in pool.procs)
             pool.update_weights(model.named_parameters())
             got = pool.generate(prompts, n=2, temperature=0, max_tokens=8)
             want = transformers_greedy(model, prompts, 8)
