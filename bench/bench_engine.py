@@ -299,7 +299,6 @@ def main(args):
     for _ in range(3):
         sleeps.append(timed(engine.sleep))
         asleep.append((used_bytes() - base_used) / 2**30)  # the same each time: nothing builds up
-        res["sleeping_engine_gib"], res["sleeping_engine_gib_each"] = asleep[-1], asleep
         wakes.append(timed(engine.wake_up))
         engine.sleep()
         syncs.append(timed(lambda: engine.update_weights(sharding.iter_full_tensors(actor, torch.bfloat16))))
@@ -310,7 +309,8 @@ def main(args):
     res |= {"sleep_s": statistics.median(sleeps), "wake_s": statistics.median(wakes),
             "full_sync_ms": 1e3 * statistics.median(syncs), "push_ms": 1e3 * statistics.median(pushes),
             "gather_ms": 1e3 * statistics.median(gathers),
-            "push_gb_s": push_bytes / statistics.median(pushes) / 1e9, "params": n_params}
+            "push_gb_s": push_bytes / statistics.median(pushes) / 1e9, "params": n_params,
+            "sleeping_engine_gib": asleep[-1], "sleeping_engine_gib_each": asleep}
 
     # plain vLLM was measured by an earlier process (`--plain`): a plain vLLM process started beside
     # this one's engine did not return within 5 minutes, twice

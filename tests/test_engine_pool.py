@@ -198,15 +198,11 @@ def test_train_ppo_with_a_pool_of_engines(grpo_assets):
     scores (fp32 on CPU: log-prob gap ~1e-6) at step 2 as at step 1, where weights one update old would be
     off by more than 1e-3 (the off-policy test above). Step 2 validates through the engines."""
     from tests.test_train_grpo import metrics_by_step
-    from tests.test_train_ppo import flags
+    from tests.test_train_ppo import flags, run_ppo
 
     out = grpo_assets["tmp"] / "run_ppo_pool"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "MASTER_PORT": str(free_port())}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port", env["MASTER_PORT"],
-           "train_ppo.py", *flags(grpo_assets, out, "vllm", 2, "disable", "--engines_per_gpu", "2",
-                                  "--save_freq", "-1", "--export_final", "false")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    run_ppo(flags(grpo_assets, out, "vllm", 2, "disable", "--engines_per_gpu", "2", "--save_freq", "-1",
+                  "--export_final", "false"), nproc=1)
     m = metrics_by_step(out)
     assert sorted(m) == [1, 2]  # no validation before training: PPO's default, as in the PPO tutorial
     for step in (1, 2):

@@ -57,11 +57,11 @@ def flags(assets, out_dir, engine, steps, resume="disable", *extra):
             "--resume_mode", resume, *extra]
 
 
-def run_ppo(args, timeout=300):
-    """train_ppo.py under torchrun with two ranks; fails the test on a non-zero exit."""
+def run_ppo(args, timeout=300, nproc=2):
+    """train_ppo.py under torchrun with `nproc` ranks; fails the test on a non-zero exit."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "MASTER_PORT": str(free_port())}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", env["MASTER_PORT"],
-           "train_ppo.py", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_port", env["MASTER_PORT"], "train_ppo.py", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     proc.output = proc.stdout + proc.stderr
     assert proc.returncode == 0, proc.output[-6000:]
