@@ -354,6 +354,12 @@ class EnginePool:
     def unbacked_bytes(self) -> int:
         return 0  # the engines' memory belongs to their own processes
 
+    def torch_memory(self) -> list[dict]:
+        """What torch's allocator holds in each engine's process: `reserved` bytes (cached, CUDA graphs' pools
+        included) and `allocated` bytes; zeros on CPU. The rest of an engine's GPU memory is its CUDA context
+        and what vLLM allocates outside torch (its sleep-mode pool: weights and KV cache, released asleep)."""
+        return self._all("torch_memory")
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full tensors named as in the Hugging Face checkpoint into the shared buffer, then have every
         engine load them (waking it first, as VLLMEngine.update_weights does). The first push sets the
@@ -462,6 +468,9 @@ def _serve_engine(conn, model_path: str, kwargs: dict, env: dict) -> None:
             elif command == "generate":
                 prompts, share = args
                 value = engine.generate(prompts, **share)
+            elif command == "torch_memory":
+                value = ({"reserved": torch.cuda.memory_reserved(), "allocated": torch.cuda.memory_allocated()}
+                         if engine.on_gpu else {"reserved": 0, "allocated": 0})
             elif command in ("sleep", "wake_up"):
                 getattr(engine, command)()
                 if command == "sleep" and engine.on_gpu:

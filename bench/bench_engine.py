@@ -36,6 +36,7 @@ import os
 import platform
 import pstats
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -146,6 +147,19 @@ def nvml_gpu_busy():
         u = Utilization()
         return u.gpu if nvml.nvmlDeviceGetUtilizationRates(handle, ctypes.byref(u)) == 0 else None
     return read
+
+
+def nvml_processes():
+    """[pid, GiB] of each process using a GPU, by nvidia-smi (the driver's count, CUDA context included), or
+    None without it. In a container the pids may be the host's, not this one's."""
+    if not GPU:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [[int(pid), int(mib) / 1024] for pid, mib in (line.split(",") for line in out.splitlines() if line.strip())]
 
 
 def busy_while(fn, read, period=0.05, settle_s=1.0):
@@ -299,6 +313,10 @@ def main(args):
     for _ in range(3):
         sleeps.append(timed(engine.sleep))
         asleep.append((used_bytes() - base_used) / 2**30)  # the same each time: nothing builds up
+        if args.engines_per_gpu > 1:  # where it is: torch's allocator in each engine, the rest is not torch's
+            res["sleeping_engines_torch_reserved_gib"] = [m["reserved"] / 2**30 for m in engine.torch_memory()]
+            res["sleeping_trainer_torch_reserved_gib"] = torch.cuda.memory_reserved() / 2**30 if GPU else 0.0
+            res["sleeping_gpu_processes"] = nvml_processes()
         wakes.append(timed(engine.wake_up))
         engine.sleep()
         syncs.append(timed(lambda: engine.update_weights(sharding.iter_full_tensors(actor, torch.bfloat16))))
@@ -345,6 +363,10 @@ def report(res, args):
             ("sleep (s)", res["sleep_s"], ""), ("wake (s)", res["wake_s"], ""),
             ("GPU memory held asleep (GiB)", res["sleeping_engine_gib"], "<= 2"),
             ("  after the first of 3 sleeps (GiB)", res["sleeping_engine_gib_each"][0], "the same: nothing builds up"),
+            ("  torch's cache in the engines (GiB)", sum(res.get("sleeping_engines_torch_reserved_gib", [])),
+             "CUDA graphs' pools; the rest: CUDA contexts"),
+            ("  torch's cache in the trainer (GiB)", res.get("sleeping_trainer_torch_reserved_gib", float("nan")),
+             ""),
             ("log-prob gap, bf16", res["logprob_gap_bf16"], "~1e-2"),
             ("engine init (s)", res["engine_init_s"], "")]
     print(f"\n{res['gpu']}, {res['model']}, {args.prompts} prompts x n={args.rollout_n} x <= {args.max_tokens} tokens, "
@@ -353,6 +375,9 @@ def report(res, args):
     print(f"{'what':40s} {'measured':>12s}   target")
     for name, value, target in rows:
         print(f"{name:40s} {value:12.4g}   {target}")
+    if res.get("sleeping_gpu_processes"):
+        print("GPU memory by process while asleep (nvidia-smi, GiB): "
+              + ", ".join(f"{pid}: {gib:.2f}" for pid, gib in res["sleeping_gpu_processes"]))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_engine.json"), "w") as f:
