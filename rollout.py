@@ -355,9 +355,10 @@ class EnginePool:
         return 0  # the engines' memory belongs to their own processes
 
     def torch_memory(self) -> list[dict]:
-        """What torch's allocator holds in each engine's process: `reserved` bytes (cached, CUDA graphs' pools
-        included) and `allocated` bytes; zeros on CPU. The rest of an engine's GPU memory is its CUDA context
-        and what vLLM allocates outside torch (its sleep-mode pool: weights and KV cache, released asleep)."""
+        """What torch's allocator counts in each engine's process, in bytes: `reserved` (cached, CUDA graphs'
+        pools included), `allocated`, and `unbacked`, the part of those that vLLM's sleep-mode pool (weights,
+        KV cache) has released while asleep, which torch goes on counting. Zeros on CPU. The rest of an
+        engine's GPU memory is its CUDA context."""
         return self._all("torch_memory")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -469,8 +470,9 @@ def _serve_engine(conn, model_path: str, kwargs: dict, env: dict) -> None:
                 prompts, share = args
                 value = engine.generate(prompts, **share)
             elif command == "torch_memory":
-                value = ({"reserved": torch.cuda.memory_reserved(), "allocated": torch.cuda.memory_allocated()}
-                         if engine.on_gpu else {"reserved": 0, "allocated": 0})
+                value = ({"reserved": torch.cuda.memory_reserved(), "allocated": torch.cuda.memory_allocated(),
+                          "unbacked": engine.unbacked_bytes()}
+                         if engine.on_gpu else {"reserved": 0, "allocated": 0, "unbacked": 0})
             elif command in ("sleep", "wake_up"):
                 getattr(engine, command)()
                 if command == "sleep" and engine.on_gpu:

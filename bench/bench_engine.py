@@ -314,7 +314,8 @@ def main(args):
         sleeps.append(timed(engine.sleep))
         asleep.append((used_bytes() - base_used) / 2**30)  # the same each time: nothing builds up
         if args.engines_per_gpu > 1:  # where it is: torch's allocator in each engine, the rest is not torch's
-            res["sleeping_engines_torch_reserved_gib"] = [m["reserved"] / 2**30 for m in engine.torch_memory()]
+            res["sleeping_engines_torch_reserved_gib"] = [(m["reserved"] - m["unbacked"]) / 2**30
+                                                          for m in engine.torch_memory()]
             res["sleeping_trainer_torch_reserved_gib"] = torch.cuda.memory_reserved() / 2**30 if GPU else 0.0
             res["sleeping_gpu_processes"] = nvml_processes()
         wakes.append(timed(engine.wake_up))

@@ -109,7 +109,7 @@ def test_pool_sampling_seeds_each_engine_apart(pool, prompts):
     assert [[s.token_ids for s in g] for g in some] == [[s.token_ids for s in g] for g in first]
     assert pool.generate([], seed=5, **kw) == []
     # each engine answers for its own process's torch allocator (nothing on CPU)
-    assert pool.torch_memory() == [{"reserved": 0, "allocated": 0}] * len(pool.procs)
+    assert pool.torch_memory() == [{"reserved": 0, "allocated": 0, "unbacked": 0}] * len(pool.procs)
 
 
 def test_pool_reports_an_engines_error_and_goes_on(pool, prompts):
