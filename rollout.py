@@ -358,7 +358,7 @@ class EnginePool:
         """What torch's allocator counts in each engine's process, in bytes: `reserved` (cached, CUDA graphs'
         pools included), `allocated`, and `unbacked`, the part of those that vLLM's sleep-mode pool (weights,
         KV cache) has released while asleep, which torch goes on counting. Zeros on CPU. The rest of an
-        engine's GPU memory is its CUDA context."""
+        engine's GPU memory is outside torch's allocator, mostly its CUDA context."""
         return self._all("torch_memory")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

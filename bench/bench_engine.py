@@ -365,7 +365,7 @@ def report(res, args):
             ("GPU memory held asleep (GiB)", res["sleeping_engine_gib"], "<= 2"),
             ("  after the first of 3 sleeps (GiB)", res["sleeping_engine_gib_each"][0], "the same: nothing builds up"),
             ("  torch's cache in the engines (GiB)", sum(res.get("sleeping_engines_torch_reserved_gib", [])),
-             "CUDA graphs' pools; the rest: CUDA contexts"),
+             "graphs, buffers; the rest: CUDA contexts"),
             ("  torch's cache in the trainer (GiB)", res.get("sleeping_trainer_torch_reserved_gib", float("nan")),
              ""),
             ("log-prob gap, bf16", res["logprob_gap_bf16"], "~1e-2"),
