@@ -5,6 +5,10 @@ reward function logs "acc" (a shaped reward, such as reward.gsm8k_partial_credit
 as "acc"), that column is the strict one and the reward's column reads "reward".
 
     python bench/learn_table.py RUN/metrics.jsonl [--minutes 10]
+    python bench/learn_table.py --summary RUN1.jsonl RUN2.jsonl ... [--minutes 10]
+
+`--summary` prints one row per run instead: its first data source's strict and flexible scores at the
+first validation, at the last validation within the time budget, and at the last validation of all.
 
 Training time is the sum of `timing_s/step` (compiling included); wall time adds validation
 (`timing_s/testing`) and checkpoints (`timing_s/save_checkpoint`); neither counts start-up or the
@@ -14,6 +18,7 @@ wins, so the times follow the run's checkpoint lineage.
 
 import argparse
 import json
+import os
 import re
 
 VAL = re.compile(r"val-core/(.+)/(acc|reward|reward_flexible)/mean@1$")
@@ -79,9 +84,40 @@ def main(path, minutes=10.0):
     print(f"within {minutes:g} minutes of training: step {step} ({train / 60:.1f} min): {gains}")
 
 
+def summary(paths, minutes=10.0):
+    """One row per run: where its first data source stood at the start, within `minutes` of training, and
+    at its last validation (strict / flexible, "-" where a score is not logged)."""
+    print(f"| run | strict / flexible at the start | within {minutes:g} minutes: step (training time) strict / "
+          "flexible | last validation: step (training time) strict / flexible |")
+    print("|---|---|---|---|")
+    for path in paths:
+        sources, points = curve(load(path))
+        name = os.path.basename(path).removesuffix(".jsonl")
+        if not points:
+            print(f"| {name} | no validation | - | - |")
+            continue
+        src = sources[0]
+        strict = (src, "acc") if any((src, "acc") in p[3] for p in points) else (src, "reward")
+        kinds = (strict, (src, "reward_flexible"))
+
+        def scores(point):
+            return " / ".join(f"{point[3][k]:.3f}" if k in point[3] else "-" for k in kinds)
+
+        def at(point):
+            return f"{point[0]} ({point[1] / 60:.1f} min) {scores(point)}"
+        within = [p for p in points if p[1] <= minutes * 60]
+        print(f"| {name} | {scores(points[0])} | {at(within[-1]) if within else '-'} | {at(points[-1])} |")
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("metrics")
+    p.add_argument("metrics", nargs="+")
     p.add_argument("--minutes", type=float, default=10.0, help="the training-time budget of the summary line")
+    p.add_argument("--summary", action="store_true", help="one row per run (several metrics files)")
     a = p.parse_args()
-    main(a.metrics, a.minutes)
+    if a.summary:
+        summary(a.metrics, a.minutes)
+    elif len(a.metrics) > 1:
+        p.error("several metrics files need --summary")
+    else:
+        main(a.metrics[0], a.minutes)

@@ -91,6 +91,25 @@ def test_learn_table_by_hand(tmp_path, capsys):
         learn_table.main(str(path))
 
 
+def test_learn_table_summary_by_hand(tmp_path, capsys):
+    """One row per run: the start, the last validation within the budget, the last of all; a shaped reward's
+    strict score ("acc") is the strict one; a run without validation says so."""
+    a, b, c = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    a.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 0, "val-core/x/reward/mean@1": 0.0, "val-core/x/reward_flexible/mean@1": 0.25},
+        {"step": 1, "timing_s/step": 300.0, "val-core/x/reward/mean@1": 0.2, "val-core/x/reward_flexible/mean@1": 0.3},
+        {"step": 2, "timing_s/step": 360.0, "val-core/x/reward/mean@1": 0.4}]))
+    b.write_text(json.dumps({"step": 0, "val-core/x/acc/mean@1": 0.1, "val-core/x/reward/mean@1": 0.5}) + "\n")
+    c.write_text(json.dumps({"step": 1, "timing_s/step": 1.0}) + "\n")
+    learn_table.summary([str(a), str(b), str(c)], minutes=10)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| run | strict / flexible at the start | within 10 minutes")
+    # 300 s is within 10 minutes, 660 s is not
+    assert lines[2] == "| a | 0.000 / 0.250 | 1 (5.0 min) 0.200 / 0.300 | 2 (11.0 min) 0.400 / - |"
+    assert lines[3] == "| b | 0.100 / - | 0 (0.0 min) 0.100 / - | 0 (0.0 min) 0.100 / - |"
+    assert lines[4] == "| c | no validation | - | - |"
+
+
 def test_host_profile_sorts_own_time_by_part(capsys):
     site = "/venv/lib/python3.11/site-packages/"
     assert bench_engine.part_of(site + "vllm/v1/core/sched/scheduler.py", "schedule").startswith("scheduler")
