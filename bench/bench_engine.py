@@ -310,10 +310,10 @@ def main(args):
 
     # sleep / wake / sync
     sleeps, wakes, syncs, pushes, gathers, asleep = [], [], [], [], [], []
-    for _ in range(3):
+    for i in range(3):
         sleeps.append(timed(engine.sleep))
         asleep.append((used_bytes() - base_used) / 2**30)  # the same each time: nothing builds up
-        if args.engines_per_gpu > 1:  # where it is: torch's allocator in each engine, the rest is not torch's
+        if args.engines_per_gpu > 1 and i == 2:  # the last sleep, by process and by allocator: read once
             res["sleeping_engines_torch_reserved_gib"] = [(m["reserved"] - m["unbacked"]) / 2**30
                                                           for m in engine.torch_memory()]
             res["sleeping_trainer_torch_reserved_gib"] = torch.cuda.memory_reserved() / 2**30 if GPU else 0.0
