@@ -261,6 +261,9 @@ class EnginePool:
     buffer is one more copy of the weights; it lives from a push to the next sleep, so the trainer does not
     hold it while it trains. The engines start together, so each is given its KV cache's size instead of
     measuring the memory left, which the others' start would upset.
+
+    The pool returns while its engines start (about 30 s on an H200): the first call that needs them, or
+    `started()`, waits for them. The train scripts compile their passes meanwhile (`compile_ahead`).
     """
 
     in_process = False  # its engines' forwards run in their own processes: no turns to take with traces
@@ -283,7 +286,7 @@ class EnginePool:
             index = torch.cuda.current_device()
             env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
         ctx = torch.multiprocessing.get_context("spawn")
-        self.conns, self.procs = [], []
+        self.conns, self.procs, self.starting = [], [], True
         for i in range(engines):
             mine, theirs = ctx.Pipe()
             quiet = {} if i == 0 else {"VLLM_LOGGING_LEVEL": "WARNING"}  # one engine's start-up log is enough
@@ -294,7 +297,12 @@ class EnginePool:
             self.conns.append(mine)
             self.procs.append(proc)
         atexit.register(self.close)
-        self._collect("start")
+
+    def started(self) -> None:
+        """Wait until every engine has started; raises the error of one that failed."""
+        if self.starting:
+            self.starting = False
+            self._collect("start")
 
     def _collect(self, what: str, engines: list[int] | None = None) -> list:
         """Each engine's answer to its last command, in order. Every answer is read before an engine's
@@ -312,6 +320,7 @@ class EnginePool:
         return [value for _, value in answers]
 
     def _all(self, command: str, *args) -> list:
+        self.started()
         for conn in self.conns:
             conn.send((command, args))
         return self._collect(command)
@@ -321,6 +330,7 @@ class EnginePool:
         """As VLLMEngine.generate, each engine sampling a contiguous share of the prompts."""
         if self.sleeping:
             raise RuntimeError("EnginePool.generate while asleep: call update_weights() first")
+        self.started()
         k = len(self.conns)
         wanted = logprobs if isinstance(logprobs, list) else [logprobs] * len(prompt_token_ids)
         bounds = [len(prompt_token_ids) * i // k for i in range(k + 1)]
@@ -366,6 +376,7 @@ class EnginePool:
         engine load them (waking it first, as VLLMEngine.update_weights does). The first push sets the
         buffer's layout; later ones must bring the same names and shapes. After a sleep the buffer is
         allocated again and every engine maps it anew."""
+        self.started()
         if self.layout is None:  # the first push: its tensors give the layout, so they are all taken at once
             named_tensors = [(name, t.detach()) for name, t in named_tensors]
             offsets = [0]
@@ -411,11 +422,13 @@ class EnginePool:
         self.sleeping = False
 
     def close(self) -> None:
-        """Stop the engines (idempotent; also run at exit)."""
+        """Stop the engines (idempotent; also run at exit). Engines still starting are killed: the trainer
+        failed before it needed them."""
         for conn, proc in zip(self.conns, self.procs):
-            with contextlib.suppress(OSError):
-                conn.send(("close", ()))
-            proc.join(timeout=30)
+            if not self.starting:
+                with contextlib.suppress(OSError):
+                    conn.send(("close", ()))
+                proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
         self.conns, self.procs = [], []

@@ -260,6 +260,8 @@ def main(args):
     engine = make_engine("vllm", args.model, engines_per_gpu=args.engines_per_gpu,
                          gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                          load_format="dummy", max_num_seqs=args.max_num_seqs, **({} if GPU else ON_CPU))
+    if args.engines_per_gpu > 1:
+        engine.started()  # a pool returns while its engines start
     res["engines_per_gpu"] = args.engines_per_gpu
     res["engine_init_s"] = time.perf_counter() - t
     res["first_push_s"] = timed(lambda: engine.update_weights(sharding.iter_full_tensors(actor, torch.bfloat16)))
