@@ -961,11 +961,17 @@ def main(args):
                          max_model_len=args.max_prompt_length + args.max_response_length,
                          dtype="bfloat16" if device.type == "cuda" else "float32",
                          enforce_eager=device.type != "cuda", load_format="dummy")
+    ahead = not engine.in_process and not args.val_only and (gpu_default(args.compile_layers, device)
+                                                             or gpu_default(args.use_torch_compile, device))
+    if ahead:
+        compile_ahead(actor, ref, args, device)  # while the engines start in their own processes
+    compiled = seconds_since_launch()
     push_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     engine.update_weights(sharding.iter_full_tensors(actor, dtype=push_dtype, device=device))
     if rank == 0:  # where the time to the first step goes (docs/benchmarks.md, "The first step")
-        print(f"models loaded {models_loaded:.1f} s after launch, engine ready at {seconds_since_launch():.1f} s",
-              flush=True)
+        print(f"models loaded {models_loaded:.1f} s after launch, "
+              + (f"passes compiled ahead at {compiled:.1f} s, " if ahead else "")
+              + f"engine ready at {seconds_since_launch():.1f} s", flush=True)
     logger = Logger(args, args.default_local_dir)
     logger.truncate(step - 1 if step == 0 else step)
     if args.val_only:
@@ -1309,6 +1315,28 @@ def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advant
     metrics["actor/grad_norm"] = float(np.mean(grad_norms))
     actor.eval()
     return metrics
+
+
+def compile_ahead(actor, ref, args, device):
+    """Compile a step's passes before the first step: the old (and reference) log-prob passes and an update,
+    on a made-up batch of two sequences, the update with advantages of 0 and a throwaway SGD at learning rate
+    0, so the weights and the optimizer's state stay as they were. torch.compile's graphs take dynamic shapes:
+    the real batches reuse them. With --engines_per_gpu the engines start in their own processes meanwhile, so
+    the compiling (about 50 s of the first step on an H200, docs/benchmarks.md) overlaps their start."""
+    no_step = torch.optim.SGD(actor.parameters(), lr=0.0)  # taken before a forward unshards the root's parameters
+    # 8 + 12 and 4 + 6 tokens: no size of 1, on which torch.compile would specialise
+    samples = [(list(range(1, 9)), list(range(1, 13))), (list(range(1, 5)), list(range(1, 7)))]
+    _, response_mask = response_targets(samples, 12, device)  # (2, 12)
+    budget = args.log_prob_max_token_len_per_gpu if args.use_dynamic_bsz else None
+    old_log_probs, _ = batched_log_probs(actor, samples, args.log_prob_micro_batch_size_per_gpu, args.temperature,
+                                         args.use_remove_padding, 12, budget, with_entropy=True)
+    ref_log_probs = None
+    if ref is not None:
+        ref_log_probs, _ = batched_log_probs(ref, samples, args.log_prob_micro_batch_size_per_gpu, args.temperature,
+                                             args.use_remove_padding, 12, budget)
+    update_actor(actor, no_step, samples, old_log_probs,
+                 ref_log_probs if args.use_kl_loss else None, torch.zeros_like(response_mask), response_mask, args, 0,
+                 device)
 
 
 if __name__ == "__main__":

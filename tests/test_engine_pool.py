@@ -166,7 +166,8 @@ def grpo_assets(tmp_path_factory):
 def test_train_grpo_with_a_pool_of_engines(grpo_assets):
     """Three steps of train_grpo.py with 2 engines per device, one-step off-policy, the policy loss weighted by
     the engines' log-probs (--rollout_is): the next batch generates in the engines' processes while a step
-    trains. Step 1 samples with the weights it trains from (the first push reached both engines: fp32 gap
+    trains. With --use_torch_compile the trainer compiles its log-prob math ahead while the engines start
+    (compile_ahead). Step 1 samples with the weights it trains from (the first push reached both engines: fp32 gap
     ~1e-6); steps 2 and 3 with those from before the previous update, so the engines' log-probs differ from
     the trainer's and the importance weights spread around 1. Step 2 validates after the wait for the batch
     in flight and the push of its weights: its score is that of the checkpoint's weights. The run ends with
@@ -175,8 +176,10 @@ def test_train_grpo_with_a_pool_of_engines(grpo_assets):
 
     out = grpo_assets["tmp"] / "run_pool"
     proc = launch(flags(grpo_assets, out, "vllm", 3, "disable", "--engines_per_gpu", "2", "--one_step_off_policy",
-                        "--rollout_is", "token", "--save_freq", "2", "--export_final", "false"), nproc=1)
+                        "--rollout_is", "token", "--save_freq", "2", "--export_final", "false",
+                        "--use_torch_compile", "true"), nproc=1)
     assert proc.returncode == 0, proc.output[-6000:]
+    assert "passes compiled ahead at" in proc.output, proc.output[-3000:]
     m = metrics_by_step(out)
     assert sorted(m) == [0, 1, 2, 3]
     gap = {step: m[step]["rollout/logprob_gap_mean"] for step in (1, 2, 3)}
@@ -198,13 +201,15 @@ def test_train_ppo_with_a_pool_of_engines(grpo_assets):
     """Two on-policy steps of train_ppo.py with 2 engines per device. Each step's sleep frees the weight buffer
     and the next push maps a new one into both engines: the engines sample with the weights the trainer
     scores (fp32 on CPU: log-prob gap ~1e-6) at step 2 as at step 1, where weights one update old would be
-    off by more than 1e-3 (the off-policy test above). Step 2 validates through the engines."""
+    off by more than 1e-3 (the off-policy test above). Step 2 validates through the engines. The trainer compiles
+    its log-prob math ahead (--use_torch_compile), the critic's update included, while the engines start."""
     from tests.test_train_grpo import metrics_by_step
     from tests.test_train_ppo import flags, run_ppo
 
     out = grpo_assets["tmp"] / "run_ppo_pool"
-    run_ppo(flags(grpo_assets, out, "vllm", 2, "disable", "--engines_per_gpu", "2", "--save_freq", "-1",
-                  "--export_final", "false"), nproc=1)
+    proc = run_ppo(flags(grpo_assets, out, "vllm", 2, "disable", "--engines_per_gpu", "2", "--save_freq", "-1",
+                         "--export_final", "false", "--use_torch_compile", "true"), nproc=1)
+    assert "passes compiled ahead at" in proc.output, proc.output[-3000:]
     m = metrics_by_step(out)
     assert sorted(m) == [1, 2]  # no validation before training: PPO's default, as in the PPO tutorial
     for step in (1, 2):

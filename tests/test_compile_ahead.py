@@ -1,0 +1,84 @@
+"""`compile_ahead` in both train scripts: a step's passes compiled on a made-up batch before the first step
+(while a pool of engines starts), leaving the weights as they were, so that the first step compiles nothing.
+
+torch.compile runs with the aot_eager backend here: which graphs dynamo captures, and whether a later call
+needs another, does not depend on the backend, and inductor's code generation would take a minute on 2 cores.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.tiny_model import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+COMPILE_AHEAD = """
+import functools, os, sys, torch, torch.distributed as dist
+torch.compile = functools.partial(torch.compile, backend="aot_eager")  # before the scripts compile anything
+sys.path.insert(0, os.getcwd())
+import train_grpo, train_ppo
+from torch._dynamo.utils import counters
+from tests.tiny_model import make_samples, make_tiny_model
+dist.init_process_group("gloo", rank=0, world_size=1)
+path = make_tiny_model(sys.argv[1])
+device = torch.device("cpu")
+# a real step's batch: other sizes than compile_ahead's, over more sequences
+samples = make_samples([(5, 3), (9, 6), (3, 7), (4, 4), (6, 2)], seed=0)
+mask = train_grpo.response_targets(samples, 7, device)[1]  # (5, 7)
+torch.manual_seed(0)
+advantages = torch.randn(5, 7) * mask
+
+
+def snapshot(*models):  # each parameter whole (a forward leaves the root's unsharded, the others are DTensors)
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for m in models for p in m.parameters()]
+
+
+def same(models, before):
+    return all(torch.equal(a, b) for a, b in zip(snapshot(*models), before))
+
+
+for script in (train_grpo, train_ppo):
+    kw = dict(model=path, compile_layers=True, use_torch_compile=True, compile_update=True, use_dynamic_bsz=True)
+    if script is train_ppo:
+        kw["critic_model"] = path
+    args = script.Args(**kw)
+    script.check_args(args, 1)  # fills in the defaults that depend on other flags
+    script.compile_logits_math()
+    actor = script.load_policy(path, device, True, False, args)
+    ref = script.load_policy(path, device, False, False, args)
+    models = [actor, ref] + ([script.load_critic(path, device, args)] if script is train_ppo else [])
+    before = snapshot(*models)
+    torch._dynamo.reset()  # nothing compiled for the other script's models stays to be reused
+    counters.clear()
+    script.compile_ahead(*models, args, device)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0, script.__name__
+    assert same(models, before), f"{script.__name__}: compile_ahead changed a weight"
+    assert all(p.grad is None for m in models for p in m.parameters()), f"{script.__name__}: gradients left behind"
+    # the step's passes, where the first step would compile, now compile nothing: any new graph fails here
+    optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-3)
+    budget = args.log_prob_max_token_len_per_gpu
+    with torch.compiler.set_stance("fail_on_recompile"):
+        old, _ = script.batched_log_probs(actor, samples, 8, 1.0, True, 7, budget, with_entropy=True)
+        ref_log_probs, _ = script.batched_log_probs(ref, samples, 8, 1.0, True, 7, budget)
+        if script is train_ppo:
+            critic = models[2]
+            values = script.batched_values(critic, samples, 8, True, 7, budget)
+            script.update_critic(critic, torch.optim.AdamW(critic.parameters(), lr=1e-3), samples, values,
+                                 advantages, mask, args, 1, device)
+        script.update_actor(actor, optimizer, samples, old, ref_log_probs, advantages, mask, args, 1, device)
+    assert counters["stats"]["unique_graphs"] == graphs, script.__name__
+    assert not same([actor], before), f"{script.__name__}: the real update changed nothing"
+    print(script.__name__, "OK", graphs, flush=True)
+"""
+
+
+def test_compile_ahead_leaves_the_weights_and_the_first_step_nothing_to_compile(tmp_path):
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, "-c", COMPILE_AHEAD, str(tmp_path / "model")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "train_grpo OK" in proc.stdout and "train_ppo OK" in proc.stdout, proc.stdout
