@@ -453,7 +453,10 @@ def _serve_engine(conn, model_path: str, kwargs: dict, env: dict) -> None:
     except BaseException:  # noqa: BLE001 - sent to the trainer, which raises it
         conn.send(("error", traceback.format_exc()))
         return
-    conn.send(("ok", None))
+    try:
+        conn.send(("ok", None))
+    except BrokenPipeError:  # the trainer is gone (it died while this engine started)
+        return
     views = []
     while True:
         try:

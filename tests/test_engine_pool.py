@@ -132,8 +132,10 @@ def test_make_engine_refuses_a_pool_of_transformers_engines(tiny_dir):
         rollout.EnginePool(tiny_dir, engines=2, tensor_parallel_size=2)
 
 
-def test_pool_engines_exit_with_the_trainer(tiny_dir, tmp_path):
-    """An engine whose trainer dies (no close) sees its pipe close and exits, and close() stops them."""
+@pytest.mark.parametrize("when", ["started", "starting"])
+def test_pool_engines_exit_with_the_trainer(tiny_dir, tmp_path, when):
+    """An engine whose trainer dies (no close) sees its pipe close and exits: waiting for commands, or still
+    starting (the pool returns before its engines have started)."""
     script = tmp_path / "die.py"
     script.write_text(
         "import json, os, sys\n"
@@ -142,14 +144,15 @@ def test_pool_engines_exit_with_the_trainer(tiny_dir, tmp_path):
         "if __name__ == '__main__':  # the engines' processes are spawned: they import this file too\n"
         f"    pool = rollout.EnginePool({tiny_dir!r}, engines=2, max_model_len=128, load_format='dummy',\n"
         "                              **rollout.ON_CPU)\n"
-        "    print(json.dumps([p.pid for p in pool.procs]), flush=True)\n"
+        + ("    pool.started()\n" if when == "started" else "") +
+        "    print('PIDS', json.dumps([p.pid for p in pool.procs]), flush=True)\n"
         "    os._exit(0)  # no atexit, no close: the engines must notice on their own\n")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", MASTER_PORT=str(free_port()))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    pids = json.loads(out.stdout.strip().splitlines()[-1])
+    pids = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("PIDS "))[5:])
     for pid in pids:
-        for _ in range(100):
+        for _ in range(300):  # an engine still starting notices once it has started: up to a minute here
             if not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower():
                 break
             time.sleep(0.2)
