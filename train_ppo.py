@@ -84,6 +84,11 @@ class Args:
     lr_warmup_steps: int = field(default=-1, metadata={"help": "-1: use lr_warmup_steps_ratio"})
     lr_warmup_steps_ratio: float = field(default=0.0, metadata={"help": "warmup as a fraction of all steps"})
     lr_scheduler_type: str = field(default="constant", metadata={"help": "constant | cosine (after warmup)"})
+    min_lr_ratio: float = field(default=0.0, metadata={
+        "help": "cosine: the rate it decays to, as a fraction of --actor_lr"})
+    lr_decay_steps_ratio: float = field(default=1.0, metadata={
+        "help": "cosine: decay over this last fraction of all steps and hold the rate before it (warmup-stable-"
+                "decay); 1: decay from the end of warmup (verl's cosine)"})
     grad_clip: float = field(default=1.0, metadata={"help": "max global gradient norm"})
     clip_ratio_low: float = field(default=0.2, metadata={"help": "ratio clipped below at 1 - this"})
     clip_ratio_high: float = field(default=0.2, metadata={"help": "ratio clipped above at 1 + this (DAPO: 0.28)"})
@@ -750,6 +755,11 @@ def check_args(args, world_size):
     need(not args.compile_update or args.compile_layers is not False,
          "--compile_update compiles the update's decoder layers, which --compile_layers false leaves eager; drop one")
     need(args.truncation in ("error", "left", "right"), "--truncation must be error, left or right")
+    need(args.lr_scheduler_type in ("constant", "cosine"), "--lr_scheduler_type must be constant or cosine")
+    need(0 <= args.min_lr_ratio <= 1, f"--min_lr_ratio {args.min_lr_ratio} must be in [0, 1]")
+    need(0 < args.lr_decay_steps_ratio <= 1, f"--lr_decay_steps_ratio {args.lr_decay_steps_ratio} must be in (0, 1]")
+    need((args.min_lr_ratio == 0 and args.lr_decay_steps_ratio == 1) or args.lr_scheduler_type == "cosine",
+         "--min_lr_ratio and --lr_decay_steps_ratio shape the cosine schedule: add --lr_scheduler_type cosine")
     need(args.reward_errors in ("raise", "zero"), "--reward_errors must be raise or zero")
     need(args.rollout_engine in ("vllm", "hf"), "--rollout_engine must be vllm or hf")
     need(args.rollout_is in (None, "token", "sequence"),
@@ -835,13 +845,18 @@ def load_critic(path, device, args):
 
 
 def lr_lambda(args, total_steps):
+    """The actor's rate at each update step, as a fraction of --actor_lr: a linear warmup, then constant or
+    a cosine down to --min_lr_ratio over the last --lr_decay_steps_ratio of the steps (held before it)."""
     warmup = args.lr_warmup_steps if args.lr_warmup_steps >= 0 else int(args.lr_warmup_steps_ratio * total_steps)
+    decay_from = max(warmup, total_steps - round(args.lr_decay_steps_ratio * total_steps))
+    low = args.min_lr_ratio
 
     def f(step):
         if step < warmup:
             return (step + 1) / warmup
-        if args.lr_scheduler_type == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
+        if args.lr_scheduler_type == "cosine" and step >= decay_from:
+            progress = (step - decay_from) / max(1, total_steps - decay_from)
+            return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
         return 1.0
     return f
 

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import sharding
 import train_grpo
+import train_ppo
 from train_grpo import (
     Args,
     PromptOrder,
@@ -373,6 +374,23 @@ def test_lr_lambda_warmup_then_cosine():
     assert lr_lambda(Args(), total_steps=4)(0) == 1.0  # default: no warmup, constant
 
 
+def test_lr_lambda_warmup_stable_decay():
+    # 10 steps, the last 0.3 decay: held at 1 for steps 0-6, then over steps 7-9 a cosine from 1 towards 0.1:
+    # 0.1 + 0.9 * 0.5 * (1 + cos(pi * k / 3)) for k = 0, 1, 2 -> 1.0, 0.775, 0.325
+    f = lr_lambda(Args(lr_scheduler_type="cosine", min_lr_ratio=0.1, lr_decay_steps_ratio=0.3), total_steps=10)
+    close([f(s) for s in range(10)], [1.0] * 7 + [1.0, 0.775, 0.325], atol=1e-6)
+    # with warmup 2 of 6 and the whole rest decaying to 0.5: 0.5 + 0.5 * 0.5 * (1 + cos(pi * k / 4)), k = 0..3
+    f = lr_lambda(Args(lr_warmup_steps=2, lr_scheduler_type="cosine", min_lr_ratio=0.5), total_steps=6)
+    close([f(s) for s in range(6)], [0.5, 1.0, 1.0, 0.92678, 0.75, 0.57322], atol=1e-5)
+    # a decay longer than what follows the warmup starts at the warmup's end: 0.9 of 6 steps -> from step 2
+    f = lr_lambda(Args(lr_warmup_steps=2, lr_scheduler_type="cosine", lr_decay_steps_ratio=0.9), total_steps=6)
+    close([f(s) for s in range(6)], [0.5, 1.0, 1.0, 0.85355, 0.5, 0.14645], atol=1e-5)
+    # the PPO script's copy agrees
+    kw = dict(lr_warmup_steps=1, lr_scheduler_type="cosine", min_lr_ratio=0.2, lr_decay_steps_ratio=0.5)
+    grpo, ppo = lr_lambda(Args(**kw), total_steps=9), train_ppo.lr_lambda(train_ppo.Args(**kw), total_steps=9)
+    assert [grpo(s) for s in range(9)] == [ppo(s) for s in range(9)]
+
+
 # --- start-up checks -----------------------------------------------------------------------------
 
 
@@ -413,6 +431,11 @@ def test_check_args_accepts_a_good_config_and_fills_defaults():
     (dict(filter_groups_from_step=8), 2, "--filter_groups_from_step only applies with --filter_groups"),
     (dict(filter_groups_from_step=0, filter_groups=True), 2, "--filter_groups_from_step 0 must be >= 1"),
     (dict(skip_all_equal=True), 2, "--skip_all_equal only applies with --filter_groups"),
+    (dict(lr_scheduler_type="linear"), 2, "--lr_scheduler_type must be constant or cosine"),
+    (dict(lr_scheduler_type="cosine", min_lr_ratio=1.5), 2, r"--min_lr_ratio 1.5 must be in \[0, 1\]"),
+    (dict(lr_scheduler_type="cosine", lr_decay_steps_ratio=0.0), 2, r"--lr_decay_steps_ratio 0.0 must be in \(0, 1\]"),
+    (dict(min_lr_ratio=0.1), 2, "shape the cosine schedule: add --lr_scheduler_type cosine"),
+    (dict(lr_decay_steps_ratio=0.3), 2, "shape the cosine schedule: add --lr_scheduler_type cosine"),
     (dict(skip_all_equal=True, filter_groups=True, skip_explore_prob=0.0), 2,
      r"--skip_explore_prob 0.0 must be in \(0, 1\]"),
 ])
@@ -716,6 +739,7 @@ REFERENCE_SHARES_GRAPHS = """
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, os.getcwd())
 import train_grpo
+import train_ppo
 from torch._dynamo.utils import counters
 from tests.tiny_model import make_tiny_model
 dist.init_process_group("gloo", rank=0, world_size=1)
@@ -747,6 +771,7 @@ FUSED_UNDER_FSDP2 = """
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, os.getcwd())
 import train_grpo
+import train_ppo
 from tests.tiny_model import make_samples, make_tiny_model
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -233,6 +233,8 @@ def good_args(**kw):
     (dict(rollout_is="seq"), "--rollout_is 'seq' must be token or sequence"),
     (dict(rollout_is="sequence", rollout_is_threshold=0.9), "--rollout_is_threshold 0.9 must be at least 1"),
     (dict(use_kl_in_reward=False, kl_coef=0.01), "--kl_coef is set but --use_kl_in_reward is false"),
+    (dict(lr_scheduler_type="wsd"), "--lr_scheduler_type must be constant or cosine"),
+    (dict(lr_decay_steps_ratio=0.5), "shape the cosine schedule: add --lr_scheduler_type cosine"),
 ])
 def test_check_args_names_the_flag(kw, flag):
     with pytest.raises(SystemExit, match=flag):
