@@ -1365,26 +1365,42 @@ def update_critic(critic, optimizer, samples, values, returns, response_mask, ar
     return metrics
 
 
+def made_up_batch(args):
+    """compile_ahead's sequences and their response length. With --use_dynamic_bsz, enough sequences of
+    8 + --max_response_length tokens to fill the largest token budget, as a real step's micro-batches nearly
+    do: inductor's code, and the guards it puts on it, change with size (past 2**31 logits it indexes in 64
+    bits; some fusions it allows only below a size), and a pass compiled on 20 tokens compiled again at the
+    real 50-65k in the first step on an H200 (8 s, docs/benchmarks.md). Otherwise two short sequences. The
+    last sequence is shorter than the others, and no size is 1, on which torch.compile would specialise."""
+    R = args.max_response_length
+    if not args.use_dynamic_bsz:
+        return [(list(range(1, 9)), list(range(1, 13))), (list(range(1, 5)), list(range(1, 7)))], 12
+    budget = max(args.log_prob_max_token_len_per_gpu, args.ppo_max_token_len_per_gpu,
+                  args.critic_ppo_max_token_len_per_gpu)
+    count = max(2, budget // (8 + R))
+    response = [j % 97 + 1 for j in range(R)]
+    return [(list(range(1, 9)), response)] * (count - 1) + [(list(range(1, 9)), response[:max(2, R // 2)])], R
+
+
 def compile_ahead(actor, ref, critic, args, device):
     """Compile a step's passes before the first step: the old (and reference) log-prob passes, the values and
-    both updates, on a made-up batch of two sequences, the actor's with advantages of 0, each with a throwaway
+    both updates, on a made-up batch (`made_up_batch`), the actor's with advantages of 0, each with a throwaway
     SGD at learning rate 0, so the weights and the optimizers' state stay as they were. torch.compile's graphs
     take dynamic shapes: the real batches reuse them. With --engines_per_gpu the engines start in their own
     processes meanwhile, so the compiling (about 50 s of a GRPO step on an H200, docs/benchmarks.md) overlaps
     their start."""
     no_step = torch.optim.SGD(actor.parameters(), lr=0.0)  # taken before a forward unshards the root's parameters
     no_critic_step = torch.optim.SGD(critic.parameters(), lr=0.0)
-    # 8 + 12 and 4 + 6 tokens: no size of 1, on which torch.compile would specialise
-    samples = [(list(range(1, 9)), list(range(1, 13))), (list(range(1, 5)), list(range(1, 7)))]
-    _, response_mask = response_targets(samples, 12, device)  # (2, 12)
+    samples, T = made_up_batch(args)
+    _, response_mask = response_targets(samples, T, device)
     budget = args.log_prob_max_token_len_per_gpu if args.use_dynamic_bsz else None
     old_log_probs, _ = batched_log_probs(actor, samples, args.log_prob_micro_batch_size_per_gpu, args.temperature,
-                                         args.use_remove_padding, 12, budget, with_entropy=True)
+                                         args.use_remove_padding, T, budget, with_entropy=True)
     ref_log_probs = None
     if ref is not None:
         ref_log_probs, _ = batched_log_probs(ref, samples, args.log_prob_micro_batch_size_per_gpu, args.temperature,
-                                             args.use_remove_padding, 12, budget)
-    values = batched_values(critic, samples, args.critic_ppo_micro_batch_size_per_gpu, args.use_remove_padding, 12,
+                                             args.use_remove_padding, T, budget)
+    values = batched_values(critic, samples, args.critic_ppo_micro_batch_size_per_gpu, args.use_remove_padding, T,
                             args.critic_ppo_max_token_len_per_gpu if args.use_dynamic_bsz else None)
     update_critic(critic, no_critic_step, samples, values, torch.zeros_like(values), response_mask, args, 0, device)
     update_actor(actor, no_step, samples, old_log_probs,

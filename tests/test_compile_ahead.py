@@ -41,9 +41,11 @@ def same(models, before):
 
 
 for script in (train_grpo, train_ppo):
-    kw = dict(model=path, compile_layers=True, use_torch_compile=True, compile_update=True, use_dynamic_bsz=True)
+    kw = dict(model=path, compile_layers=True, use_torch_compile=True, compile_update=True, use_dynamic_bsz=True,
+              max_prompt_length=24, max_response_length=16, log_prob_max_token_len_per_gpu=160,
+              ppo_max_token_len_per_gpu=96)  # the made-up batch: 160 // (8 + 16) = 6 sequences
     if script is train_ppo:
-        kw["critic_model"] = path
+        kw.update(critic_model=path, critic_ppo_max_token_len_per_gpu=128)
     args = script.Args(**kw)
     script.check_args(args, 1)  # fills in the defaults that depend on other flags
     script.compile_logits_math()
@@ -82,3 +84,23 @@ def test_compile_ahead_leaves_the_weights_and_the_first_step_nothing_to_compile(
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "train_grpo OK" in proc.stdout and "train_ppo OK" in proc.stdout, proc.stdout
+
+
+def test_made_up_batch_fills_the_largest_token_budget():
+    import train_grpo
+    import train_ppo
+
+    # 8 + 16 tokens a sequence: 160 // 24 = 6 sequences, the last with half the response (8 + 8): 128 tokens
+    args = train_grpo.Args(use_dynamic_bsz=True, max_response_length=16, log_prob_max_token_len_per_gpu=160,
+                           ppo_max_token_len_per_gpu=96)
+    samples, T = train_grpo.made_up_batch(args)
+    assert T == 16 and [(len(p), len(r)) for p, r in samples] == [(8, 16)] * 5 + [(8, 8)]
+    # PPO's critic budget counts too
+    samples, T = train_ppo.made_up_batch(train_ppo.Args(use_dynamic_bsz=True, max_response_length=16,
+                                                        log_prob_max_token_len_per_gpu=96,
+                                                        ppo_max_token_len_per_gpu=96,
+                                                        critic_ppo_max_token_len_per_gpu=240))
+    assert len(samples) == 10 and T == 16
+    # without a token budget: two short sequences, the micro-batches counted in sequences
+    samples, T = train_grpo.made_up_batch(train_grpo.Args())
+    assert [(len(p), len(r)) for p, r in samples] == [(8, 12), (4, 6)] and T == 12
