@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import train_grpo
+import train_ppo
 from tests.tiny_model import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,9 +89,6 @@ def test_compile_ahead_leaves_the_weights_and_the_first_step_nothing_to_compile(
 
 
 def test_made_up_batch_fills_the_largest_token_budget():
-    import train_grpo
-    import train_ppo
-
     # 8 + 16 tokens a sequence: 160 // 24 = 6 sequences, the last with half the response (8 + 8): 128 tokens
     args = train_grpo.Args(use_dynamic_bsz=True, max_response_length=16, log_prob_max_token_len_per_gpu=160,
                            ppo_max_token_len_per_gpu=96)
