@@ -160,7 +160,7 @@ class Args:
     # trainer
     total_epochs: int = field(default=15, metadata={"help": "passes over the training prompts"})
     total_training_steps: int | None = field(default=None, metadata={"help": "overrides total_epochs"})
-    save_freq: int = field(default=10, metadata={"help": "checkpoint every N steps (-1: only at the end)"})
+    save_freq: int = field(default=10, metadata={"help": "checkpoint every N steps, at the last and on a stop (-1: never)"})
     test_freq: int = field(default=10, metadata={"help": "validate every N steps (-1: never)"})
     val_before_train: bool = field(default=False, metadata={"help": "validate before the first step"})
     val_only: bool = field(default=False, metadata={"help": "only evaluate --model (or the checkpoint) and exit"})
@@ -1224,7 +1224,7 @@ def main(args):
             with Timer(metrics, device)("testing"):
                 metrics |= validate(engine, val, args, tokenizer, reward_fn, step)
             stopping = not last_step and stop.agreed(device)  # a SIGTERM during validation: this step, too
-        if (args.save_freq > 0 and step % args.save_freq == 0) or last_step or stopping:
+        if args.save_freq > 0 and (step % args.save_freq == 0 or last_step or stopping):
             with Timer(metrics, device)("save_checkpoint"):
                 sharding.save_checkpoint(args.default_local_dir, step, models, optimizers, schedulers,
                                          {"epoch": epoch, "batch_idx": batch_idx, "kl_coef": kl_ctrl.value},
@@ -1238,8 +1238,13 @@ def main(args):
     bar.close()
     if stopping:
         if rank == 0:
-            print(f"stopped by SIGTERM after step {step} of {total_steps}, checkpointed in {args.default_local_dir}; "
-                  "the same command with --resume_mode auto continues from there", flush=True)
+            if args.save_freq > 0:
+                print(f"stopped by SIGTERM after step {step} of {total_steps}, checkpointed in "
+                      f"{args.default_local_dir}; the same command with --resume_mode auto continues from there",
+                      flush=True)
+            else:
+                print(f"stopped by SIGTERM after step {step} of {total_steps}, not checkpointed (--save_freq "
+                      f"{args.save_freq}: never)", flush=True)
         logger.close()
         return metrics
     if args.export_final:

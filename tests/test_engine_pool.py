@@ -215,6 +215,7 @@ def test_train_ppo_with_a_pool_of_engines(grpo_assets):
     assert "passes compiled ahead at" in proc.output, proc.output[-3000:]
     m = metrics_by_step(out)
     assert sorted(m) == [1, 2]  # no validation before training: PPO's default, as in the PPO tutorial
+    assert not list(out.glob("global_step_*"))  # --save_freq -1: never checkpointed
     for step in (1, 2):
         assert m[step]["rollout/logprob_gap_mean"] < 1e-5, (step, m[step]["rollout/logprob_gap_mean"])
         assert m[step]["response_length/mean"] > 0 and m[step]["timing_s/update_weights"] > 0

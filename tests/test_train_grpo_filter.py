@@ -99,6 +99,7 @@ def test_filter_groups_from_step_trains_on_one_batch_before_it(assets, tmp_path)
     assert any(m[s]["rollout/all_equal_groups"] > 0 for s in (1, 2))  # a filtering step would have dropped it
     # from step 3 on it filters: a first round of 8 prompts, and only groups with signal kept
     assert m[3]["rollout/gen_prompts"] >= 8 and m[3]["critic/score/mean"] == 0.5
+    assert not list(out.glob("global_step_*"))  # --save_freq -1: no checkpoint, not even the last (verl's -1)
 
 
 def test_skip_all_equal_generates_again_only_prompts_that_had_signal(assets, skipping_run):
