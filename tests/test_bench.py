@@ -282,3 +282,41 @@ def test_limit_signals_the_workers_and_lets_them_finish(tmp_path, after):
     # a command without torchrun gets the signal itself
     proc = subprocess.run(["bash", os.path.join(root, "bench/limit.sh"), "1", "30", "sleep 20"], timeout=60)
     assert proc.returncode == 143  # 128 + SIGTERM
+
+
+def test_background_runs_past_its_caller_and_is_found_by_name(tmp_path):
+    """bench/background.sh: a command started in its own session outlives the call that started it;
+    `wait` says whether it has ended (exit 1 while it runs, its status once it has), `start` refuses a
+    second run of one name, and `stop` ends the whole session, what the command started included."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "BG_DIR": str(tmp_path / "bg")}
+
+    def bg(*args, timeout=60):
+        return subprocess.run(["bash", os.path.join(root, "bench/background.sh"), *args], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    assert bg("start", "quick", f"echo hello; echo err >&2; touch {tmp_path}/done; exit 3").returncode == 0
+    waited = bg("wait", "quick", "30")
+    assert waited.returncode == 0 and "quick ended with status 3" in waited.stdout, waited.stdout + waited.stderr
+    assert (tmp_path / "bg" / "quick.log").read_text().split() == ["hello", "err"]
+    assert (tmp_path / "done").exists()
+
+    # its caller gone (the start returned), the run goes on; a pid file, not a command line, finds it
+    assert bg("start", "slow", f"sleep 60 & sleep 60; touch {tmp_path}/not_stopped").returncode == 0
+    waited = bg("wait", "slow", "1")
+    assert waited.returncode == 1 and "slow still running after" in waited.stdout
+    again = bg("start", "slow", "true")
+    assert again.returncode == 1 and "slow is already running" in again.stderr
+    start = time.monotonic()
+    assert bg("stop", "slow", "5").returncode == 0
+    assert time.monotonic() - start < 5  # the sleeps ended at the SIGTERM
+    waited = bg("wait", "slow", "5")
+    assert waited.returncode == 0 and "status ? (killed)" in waited.stdout
+    pid = (tmp_path / "bg" / "slow.pid").read_text().strip()
+    left = subprocess.run(["pgrep", "-s", pid], capture_output=True, text=True)
+    assert left.stdout == "", left.stdout  # nothing of its session is left, the background sleep included
+    assert not (tmp_path / "not_stopped").exists()
+
+    for args in (("wait", "nobody", "1"), ("stop", "nobody"), ("wait", "quick", "soon"), ("start", "x")):
+        assert bg(*args).returncode == 2, args
