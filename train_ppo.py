@@ -160,7 +160,7 @@ class Args:
     # trainer
     total_epochs: int = field(default=15, metadata={"help": "passes over the training prompts"})
     total_training_steps: int | None = field(default=None, metadata={"help": "overrides total_epochs"})
-    save_freq: int = field(default=10, metadata={"help": "checkpoint every N steps, at the last and on a stop (-1: never)"})
+    save_freq: int = field(default=10, metadata={"help": "checkpoint every N steps, the last, on a stop (-1: never)"})
     test_freq: int = field(default=10, metadata={"help": "validate every N steps (-1: never)"})
     val_before_train: bool = field(default=False, metadata={"help": "validate before the first step"})
     val_only: bool = field(default=False, metadata={"help": "only evaluate --model (or the checkpoint) and exit"})
