@@ -23,7 +23,6 @@ case $action in
     mkdir -p "$dir"
     if running; then echo "$name is already running (pid $(cat "$pidfile")); stop it first" >&2; exit 1; fi
     rm -f "$rcfile"
-    date +%s > "$dir/$name.start"
     # setsid: a session of its own, which the end of the calling command does not take down, and which
     # `stop` signals whole. The status is written by the session's shell once the command returns
     setsid nohup bash -c 'bash -c "$1"; echo $? > "$2"' _ "$*" "$rcfile" > "$log" 2>&1 < /dev/null &
@@ -36,7 +35,7 @@ case $action in
     end=$((SECONDS + $1))
     while running && [ $SECONDS -lt $end ]; do sleep 2; done
     if running; then
-      echo "$name still running after $(( $(date +%s) - $(cat "$dir/$name.start") )) s"
+      echo "$name still running after $(ps -o etimes= -p "$(cat "$pidfile")" | tr -d ' ') s"
       exit 1
     fi
     echo "$name ended with status $(cat "$rcfile" 2>/dev/null || echo '? (killed)')"
