@@ -31,7 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 import plot
 import train_grpo
 from data import arith
-from tests.tiny import make_tiny_tokenizer  # one token per byte, Qwen's chat template
+from bench.tiny import make_tiny_tokenizer  # one token per byte, Qwen's chat template
 
 ROOT = Path(__file__).resolve().parent
 OUT = ROOT / "checkpoints" / "demo"

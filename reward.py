@@ -1,5 +1,5 @@
 """Rewards: pure `str -> float` scorers, dispatch by `data_source`, loading a user's `compute_score`,
-and pass@k over the scores of sampled responses.
+and pass@k over the scores of sampled responses (`validation_metrics`, the val-core / val-aux metrics).
 
 A reward function has verl's signature
 
@@ -16,6 +16,8 @@ import numbers
 import re
 import sys
 from pathlib import Path
+
+import numpy as np
 
 # --- GSM8K. strict gives what verl's verl/utils/reward_score/gsm8k.py gives on every input (rewritten) ---
 _SOLUTION_CLIP_CHARS = 300  # verl only looks at the tail: long regex scans are slow, the answer is at the end
@@ -192,3 +194,22 @@ def pass_at_k(correct, k):
     counts = [sum(map(bool, row)) for row in correct]
     n = len(correct[0])
     return sum(1.0 - math.comb(n - c, k) / math.comb(n, k) for c in counts) / len(counts)
+
+
+def validation_metrics(rows, n):
+    """The metrics of `validate` from one row per problem: (data_source, {score name: its n values},
+    response lengths). The names are "reward", "reward_flexible" (NaN where the source has no flexible
+    scorer) and the reward function's extras, which a problem lacks where its function returned none."""
+    metrics = {}
+    for source in sorted({r[0] for r in rows}):
+        mine = [r for r in rows if r[0] == source]
+        for name in dict.fromkeys(key for r in mine for key in r[1]):
+            vals = np.array([r[1].get(name, [0.0] * n) for r in mine])  # a missing extra counts 0, as in training
+            if np.isnan(vals).all():
+                continue
+            core = name in ("reward", "reward_flexible", "acc")
+            metrics[f"val-{'core' if core else 'aux'}/{source}/{name}/mean@{n}"] = float(vals.mean())
+            for k in pass_ks(n) if core else []:
+                metrics[f"val-core/{source}/{name}/pass@{k}"] = pass_at_k(vals > 0, k)
+        metrics[f"val-aux/{source}/response_length/mean"] = float(np.mean([x for r in mine for x in r[2]]))
+    return metrics

@@ -18,6 +18,10 @@
   hand, so the update reuses the kernel the passes without gradients compiled.
 - `fused_log_probs` makes the output layer return the log-probs of given tokens, chunk by chunk,
   so a training forward never holds the logits over the whole vocabulary (`--use_fused_kernels`).
+- The passes of a train step over a rank's sequences: `collate` packs them (or pads them),
+  `micro_batches` cuts them by count or by token budget, `batched_log_probs` and `batched_values`
+  run the frozen passes; `forward_log_probs` / `forward_values` are the update's forward. `load_policy`
+  and `load_critic` load and shard the models, `compile_ahead` compiles a step's passes before step 1.
 All ranks must call every function here (they are collectives); only rank 0 writes shared files.
 The checkpoint folder must be on a file system every rank sees (any single node; NFS or similar
 across nodes).
@@ -47,7 +51,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from transformers import AttentionInterface
+from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM,
+                          AutoModelForTokenClassification)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
@@ -425,6 +430,299 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device 
                 state[key] = value.to(device, non_blocking=True)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+# --- the passes: packing, micro-batches, log-probs and values; loading; compiling ahead --------------
+#
+# A train script's phases 3 and 5 run these over a rank's share of the batch, a list of (prompt_ids,
+# response_ids) pairs ("samples"); results are (N, T) tensors, T the longest response of the share.
+
+
+def entropy_from_logits(logits):
+    """H = logsumexp(z) - sum_v softmax(z)_v z_v, per position: logits (..., V) -> (...). At most one
+    (..., V) tensor beside the logits: logsumexp's, then the softmax (the sum is a dot product per
+    position, einsum, with no product tensor)."""
+    lse = torch.logsumexp(logits, -1)
+    return lse - torch.einsum("...v,...v->...", torch.softmax(logits, -1), logits)
+
+
+def token_log_probs(logits, targets, temperature, with_entropy=False):
+    """log softmax(z / T) at the taken tokens and, if asked, the entropy of softmax(z / T), in fp32:
+    logits (K, V), targets (K,) -> (K,), (K,) or None. Gather minus logsumexp: no (K, V) log-prob
+    tensor is made."""
+    z = logits.float() / temperature  # verl scales by T too
+    log_probs = z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
+    return log_probs, entropy_from_logits(z) if with_entropy else None
+
+
+# The math over the (K, V) logits. Eagerly it runs as several kernels, each writing a (K, V) fp32
+# tensor; at a vocabulary of 152k that costs more than the lm_head matmul itself (on one H200, ~0.5 s
+# of a 2.45 s log-prob pass over a GRPO step's 1,280 responses; docs/benchmarks.md).
+# `--use_torch_compile` (verl's flag) swaps in CompiledLogProbs in every pass: the same math in
+# one compiled kernel that reads the bf16 logits once, its gradient written by hand.
+LOGITS_MATH = {"log_probs": token_log_probs}
+
+
+def compile_logits_math():
+    LOGITS_MATH.update(log_probs=compiled_log_probs)
+
+
+def gpu_default(flag, device):
+    """A speed flag left unset (None) is on exactly when training on a GPU."""
+    return device.type == "cuda" if flag is None else flag
+
+
+def collate(samples, packed, device):
+    """Model inputs for a micro-batch of (prompt_ids, response_ids) pairs, and where to read back.
+
+    Padded: prompts left-padded, responses right-padded, logits kept for the last T+1 positions.
+    Packed (`--use_remove_padding`): all sequences in one row, positions restarting per sequence,
+    segment bounds `cu_seq_lens` for variable-length attention (`packed_attention`), logits
+    kept only where a response token is predicted. `unpack` = (rows, cols, b, T): response token k
+    sits at [rows[k], cols[k]] of a (b, T) result, T = longest response, in the order of the kept logits.
+    """
+    T = max(max(len(r) for _, r in samples), 1)
+    rows = torch.tensor([i for i, (_, r) in enumerate(samples) for _ in r], device=device)
+    cols = torch.tensor([t for _, r in samples for t in range(len(r))], device=device)
+    unpack = (rows, cols, len(samples), T)
+    if packed:
+        ids, pos, keep, cu = [], [], [], [0]
+        for p, r in samples:
+            keep += range(len(ids) + len(p) - 1, len(ids) + len(p) + len(r) - 1)
+            ids += p + r
+            pos += range(len(p) + len(r))
+            cu.append(len(ids))
+        return dict(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([pos], device=device),
+                    logits_to_keep=torch.tensor(keep, device=device), unpack=unpack,
+                    cu_seq_lens=torch.tensor(cu, dtype=torch.int32, device=device),  # for packed_attention
+                    max_seq_len=max(b - a for a, b in zip(cu, cu[1:])))
+    P = max(len(p) for p, _ in samples)
+    ids = [[0] * (P - len(p)) + p + r + [0] * (T - len(r)) for p, r in samples]
+    attn = [[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (T - len(r)) for p, r in samples]
+    attn = torch.tensor(attn, device=device)
+    return dict(input_ids=torch.tensor(ids, device=device), attention_mask=attn,
+                position_ids=(attn.cumsum(-1) - 1).clamp(min=0), logits_to_keep=T + 1, unpack=unpack)
+
+
+def response_targets(samples, T, device):
+    """(b, T) response token ids and response_mask."""
+    ids = torch.tensor([r + [0] * (T - len(r)) for _, r in samples], device=device)
+    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for _, r in samples], device=device)
+    return ids, mask.float()
+
+
+def forward_log_probs(model, samples, temperature, packed, with_entropy=False, fused=False):
+    """log pi(y_t | x, y_<t) of each response token, (b, T), and the entropy (b, T) if asked (else
+    None), with a gradient where one is recorded. `fused` (--use_fused_kernels), where a gradient is
+    recorded: both from the output layer chunk by chunk (fused_log_probs), never the whole
+    (K, V) logits."""
+    device = compute_device(model)  # not the parameters' under --param_offload
+    batch = collate(samples, packed, device)
+    rows, cols, b, T = batch.pop("unpack")
+    targets = torch.tensor([t for _, r in samples for t in r], device=device)
+    # one row per response token, (K, ...): packed rows already are; padded ones drop the last
+    # position (position t predicts token t+1) and the padding
+    select = (lambda x: x[0]) if packed else (lambda x: x[:, :-1][rows, cols])  # noqa: E731
+    if fused and torch.is_grad_enabled():
+        with fused_log_probs(model, select, targets, temperature) as head:
+            model(**batch, use_cache=False)
+        flat, flat_entropy = head["log_probs"], head["entropy"]
+    else:
+        logits = select(model(**batch, use_cache=False).logits)  # (K, V)
+        flat, flat_entropy = LOGITS_MATH["log_probs"](logits, targets, temperature, with_entropy)
+    log_probs = torch.zeros(b, T, device=device, dtype=flat.dtype).index_put((rows, cols), flat)
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros(b, T, device=device, dtype=flat_entropy.dtype).index_put((rows, cols), flat_entropy)
+    return log_probs, entropy
+
+
+def micro_batches(samples, size, max_tokens=None):
+    """Split a rank's sequences into micro-batches of indices, the same number on every rank (FSDP2's
+    collectives run once per forward). Without a token budget: `size` sequences each, in order. With
+    one (`--use_dynamic_bsz`): the fewest groups whose tokens fit `max_tokens` on every rank, filled
+    longest sequence first into the lightest group, so a long and a short batch cost alike."""
+    if not max_tokens:
+        return [list(range(i, min(i + size, len(samples)))) for i in range(0, len(samples), size)]
+    lengths = [len(p) + len(r) for p, r in samples]
+
+    def fill(k):
+        groups, loads = [[] for _ in range(k)], [0] * k
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            j = loads.index(min(loads))
+            groups[j].append(i)
+            loads[j] += lengths[i]
+        return [sorted(g) for g in groups], max(loads)
+
+    k = max(1, -(-sum(lengths) // max_tokens))
+    groups, load = fill(k)
+    while k < len(lengths) and load > max_tokens:
+        k += 1
+        groups, load = fill(k)
+    if dist.is_initialized():  # the most groups any rank needs (never more than its sequences: equal counts)
+        k_all = torch.tensor(k, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(k_all, op=dist.ReduceOp.MAX)
+        if int(k_all) != k:
+            groups, _ = fill(min(int(k_all), len(lengths)))
+    return groups
+
+
+@torch.no_grad()
+def batched(forward, samples, micro, T, max_tokens=None):
+    """`forward` (a list of samples -> a tuple of (b, T_b)) over a rank's sequences in micro-batches
+    (same count on every rank), each output gathered into one (N, T) in the order of `samples`."""
+    outs = None
+    for idx in micro_batches(samples, micro, max_tokens):
+        xs = forward([samples[i] for i in idx])
+        outs = outs or [x.new_zeros(len(samples), T) for x in xs]
+        for out, x in zip(outs, xs):
+            out[idx, :x.shape[1]] = x
+    return outs
+
+
+def batched_log_probs(model, samples, micro, temperature, packed, T, max_tokens=None, with_entropy=False):
+    """Log-probs (N, T) of a rank's sequences, in micro-batches, and their entropy (N, T) if asked
+    (else None), from the same read of the logits."""
+    def forward(s):
+        log_probs, entropy = forward_log_probs(model, s, temperature, packed, with_entropy)
+        return (log_probs, entropy) if with_entropy else (log_probs,)
+    outs = batched(forward, samples, micro, T, max_tokens)
+    return outs[0], outs[1] if with_entropy else None
+
+
+def forward_values(model, samples, packed):
+    """V of each response token (b, T): the score head read where that token's log-prob is read (position
+    P-1+t predicts token t), so the value of token t sees only the prompt and y_<t, as in verl."""
+    device = compute_device(model)  # not the parameters' under --param_offload
+    batch = collate(samples, packed, device)
+    rows, cols, b, T = batch.pop("unpack")
+    keep = batch.pop("logits_to_keep")  # the value model has no logits_to_keep: select after the head
+    out = model(**batch, use_cache=False).logits[..., 0].float()  # (1, packed length) or (b, P + T)
+    flat = out[0, keep] if packed else out[:, -keep:-1][rows, cols]
+    return torch.zeros(b, T, device=device, dtype=flat.dtype).index_put((rows, cols), flat)
+
+
+def batched_values(model, samples, micro, packed, T, max_tokens=None):
+    """Values (N, T) of a rank's sequences, in micro-batches."""
+    return batched(lambda s: (forward_values(model, s, packed),), samples, micro, T, max_tokens)[0]
+
+
+def all_sum(*values, device):
+    """Sum floats over ranks."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def gather_objects(obj, group=None):
+    """Every rank's `obj`, in rank order, on every rank (over `group`, default: the default group)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def attention(args):
+    """Variable-length attention for packed sequences, transformers' sdpa for padded ones."""
+    return PACKED_ATTENTION if args.use_remove_padding else "sdpa"
+
+
+def load_policy(path, device, trainable, offload, args):
+    """A Hugging Face causal LM, fp32 masters, sharded with FSDP2 (bf16 compute on GPU)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention(args))
+    if device.type == "cuda" and not offload:
+        model.to(device)
+    if gpu_default(args.compile_layers, device):
+        compile_layers(model, with_grad=trainable and args.compile_update)
+    apply_fsdp2(model, param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                         gradient_checkpointing=trainable and args.enable_gradient_checkpointing,
+                         cpu_offload=offload)
+    if not trainable:
+        # Frozen: it only runs under torch.no_grad (`batched`) and no optimizer holds it. Its parameters
+        # keep requires_grad=True, as the actor's: compiled layers guard on that flag, and flipping it
+        # would compile every layer again for this model (14 s of the first step on an H200).
+        model.eval()
+    return model
+
+
+def load_critic(path, device, args):
+    """A value model on the policy's body, as verl builds it: AutoModelForTokenClassification with one label
+    (the body under `.model`, a new linear `.score` head), fp32 masters, sharded with FSDP2. Dropout off
+    (transformers' default for the head is 0.1; verl sets 0 too), so values are deterministic."""
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0  # an attribute: from_pretrained drops a keyword its config class lacks
+    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
+                                                            attn_implementation=attention(args))
+    if device.type == "cuda" and not args.critic_param_offload:
+        model.to(device)
+    if gpu_default(args.compile_layers, device):
+        compile_layers(model, with_grad=args.compile_update)
+    apply_fsdp2(model, param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                         gradient_checkpointing=args.critic_enable_gradient_checkpointing,
+                         cpu_offload=args.critic_param_offload)
+    return model
+
+
+def clip_and_step(model, optimizer, max_norm, step, lr_flag):
+    """Clip the global gradient norm and step; a non-finite norm stops the run before the update, so
+    the last checkpoint stays the last good state. Returns the norm before clipping."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    if not torch.isfinite(grad_norm):
+        raise FloatingPointError(f"step {step}: non-finite gradient norm {grad_norm.item()}; stopping before the "
+                                 f"update (the last checkpoint is untouched). Lower {lr_flag}.")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm.item()
+
+
+def made_up_batch(response_length, budget=None):
+    """compile_ahead's sequences and their response length. With a token budget (--use_dynamic_bsz), enough
+    sequences of 8 + response_length tokens to fill it, as a real step's micro-batches nearly do: inductor's
+    code, and the guards it puts on it, change with size (past 2**31 logits it indexes in 64 bits; some
+    fusions it allows only below a size), and a pass compiled on 20 tokens compiled again at the real
+    50-65k in the first step on an H200 (8 s, docs/benchmarks.md). Otherwise two short sequences. The last
+    sequence is shorter than the others, and no size is 1, on which torch.compile would specialise."""
+    R = response_length
+    if not budget:
+        return [(list(range(1, 9)), list(range(1, 13))), (list(range(1, 5)), list(range(1, 7)))], 12
+    count = max(2, budget // (8 + R))
+    response = [j % 97 + 1 for j in range(R)]
+    return [(list(range(1, 9)), response)] * (count - 1) + [(list(range(1, 9)), response[:max(2, R // 2)])], R
+
+
+def compile_ahead(actor, ref, args, device, update_actor, critic=None, update_critic=None):
+    """Compile a step's passes before the first step: the old (and reference) log-prob passes and the
+    update, with PPO's critic its values and its update too, on a made-up batch (`made_up_batch`, filling
+    the largest token budget), the actor's update with advantages of 0, each with a throwaway SGD at
+    learning rate 0, so the weights and the optimizers' state stay as they were. `update_actor` and
+    `update_critic` are the train script's own. torch.compile's graphs take dynamic shapes: the real
+    batches reuse them. With --engines_per_gpu the engines start in their own processes meanwhile, so the
+    compiling (about 50 s of a GRPO step on an H200, docs/benchmarks.md) overlaps their start."""
+    no_step = torch.optim.SGD(actor.parameters(), lr=0.0)  # taken before a forward unshards the root's parameters
+    budgets = [args.log_prob_max_token_len_per_gpu, args.ppo_max_token_len_per_gpu]
+    if critic is not None:
+        no_critic_step = torch.optim.SGD(critic.parameters(), lr=0.0)
+        budgets.append(args.critic_ppo_max_token_len_per_gpu)
+    samples, T = made_up_batch(args.max_response_length, max(budgets) if args.use_dynamic_bsz else None)
+    _, response_mask = response_targets(samples, T, device)
+    budget = args.log_prob_max_token_len_per_gpu if args.use_dynamic_bsz else None
+    old_log_probs, _ = batched_log_probs(actor, samples, args.log_prob_micro_batch_size_per_gpu, args.temperature,
+                                         args.use_remove_padding, T, budget, with_entropy=True)
+    ref_log_probs = None
+    if ref is not None:
+        ref_log_probs, _ = batched_log_probs(ref, samples, args.log_prob_micro_batch_size_per_gpu, args.temperature,
+                                             args.use_remove_padding, T, budget)
+    if critic is not None:
+        values = batched_values(critic, samples, args.critic_ppo_micro_batch_size_per_gpu, args.use_remove_padding,
+                                T, args.critic_ppo_max_token_len_per_gpu if args.use_dynamic_bsz else None)
+        update_critic(critic, no_critic_step, samples, values, torch.zeros_like(values), response_mask, args, 0,
+                      device)
+    update_actor(actor, no_step, samples, old_log_probs,
+                 ref_log_probs if args.use_kl_loss else None, torch.zeros_like(response_mask), response_mask, args, 0,
+                 device)
 
 
 # --------------------------------------------------------------------------- checkpoints

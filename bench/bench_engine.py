@@ -76,7 +76,7 @@ def prompts_for(model_path, count, seed=0):
 def random_qwen25_05b(path):
     """A random-init model with Qwen2.5-0.5B-Instruct's shape (494M parameters, tied embeddings)."""
     from random_model import make
-    from tests.tiny import make_tiny_tokenizer
+    from bench.tiny import make_tiny_tokenizer
     return make("qwen2.5-0.5b", make_tiny_tokenizer(), path)
 
 
@@ -305,9 +305,9 @@ def main(args):
     # parity: the FSDP2 actor (bf16 compute) re-scores 64 sampled responses
     samples = [(p, s.token_ids) for p, o in zip(prompts[:64], out[:64]) for s in o[:1]]
     T = max(len(r) for _, r in samples)
-    lp, _ = train_grpo.batched_log_probs(actor, samples, 8, 1.0, True, T)
+    lp, _ = sharding.batched_log_probs(actor, samples, 8, 1.0, True, T)
     rlp = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for o in out[:64] for s in o[:1]], device=device)
-    _, mask = train_grpo.response_targets(samples, T, device)
+    _, mask = sharding.response_targets(samples, T, device)
     res["logprob_gap_bf16"] = logprob_gap(lp, rlp, mask)
 
     # sleep / wake / sync

@@ -7,7 +7,7 @@
 For each token count, each way runs in a fresh process: the hidden states (K, H) and the output
 layer's weight (V, H) are random; the loss weighs the log-probs of random targets and the entropy,
 as an update with an entropy bonus does. `logits`: the trainer's path without the flag (the logits
-(K, V), then train_grpo.token_log_probs with the entropy); `fused`: sharding.ChunkedLogProbs. Peak:
+(K, V), then sharding.token_log_probs with the entropy); `fused`: sharding.ChunkedLogProbs. Peak:
 torch's allocator counter on a GPU, the process's maximum resident memory on a CPU (which includes
 the ~0.4 GB of the interpreter and torch). Reported beside it: the inputs' own size, and the
 largest gradient difference between the two ways. A way that runs out of GPU memory prints as such.
@@ -47,7 +47,7 @@ def one(way, tokens, hidden_size, vocab, dtype, out):
                                                                 max(1, 2**28 // vocab))
         else:
             logits = hidden @ weight.T
-            log_probs, entropy = train_grpo.token_log_probs(logits, targets, 1.0, with_entropy=True)
+            log_probs, entropy = sharding.token_log_probs(logits, targets, 1.0, with_entropy=True)
         (log_probs.exp().sum() + 0.01 * entropy.sum()).backward()
     except torch.OutOfMemoryError:
         with open(out, "w") as f:

@@ -7,7 +7,7 @@ ids), loads the policy as train_grpo.py does (FSDP2, bf16 compute, packed sequen
 attention) and measures, per token budget of a micro-batch:
 - the log-prob pass over all sequences (no gradient), as `old_log_prob` runs it;
 - forward + backward of a GRPO-like loss over a mini-batch, as `update_actor` runs it (no optimizer step);
-each as TFLOP/s and MFU with the trainer's own FLOP count (train_grpo.phase_perf), once per --modes entry:
+each as TFLOP/s and MFU with the trainer's own FLOP count (run.phase_perf), once per --modes entry:
 `eager` (no torch.compile), `logits` (--use_torch_compile: the log-prob / entropy math compiled),
 `all` (that and --compile_layers). Both compile the log-prob math in every pass (with its gradient
 by hand, sharding.CompiledLogProbs) and the rest only where it runs without gradients (the trainer's
@@ -21,6 +21,8 @@ take the most device time in each pass are printed (and written to --out as prof
 it runs the same code on whatever --model is, for a smoke test.
 """
 
+import sharding
+import run
 import argparse
 import functools
 import os
@@ -54,7 +56,7 @@ def log_prob_pass(model, samples, budget, device):
     sync(device)
     t = time.perf_counter()
     T = max(len(r) for _, r in samples)
-    train_grpo.batched_log_probs(model, samples, 8, 1.0, True, T, budget, with_entropy=True)
+    sharding.batched_log_probs(model, samples, 8, 1.0, True, T, budget, with_entropy=True)
     sync(device)
     return time.perf_counter() - t
 
@@ -64,8 +66,8 @@ def update_pass(model, samples, budget, device, fused=False):
     model.train()  # as update_actor: gradient checkpointing (--gradient_checkpointing) acts only in train mode
     sync(device)
     t = time.perf_counter()
-    for idx in train_grpo.micro_batches(samples, 8, budget):
-        log_probs, _ = train_grpo.forward_log_probs(model, [samples[i] for i in idx], 1.0, True, fused=fused)
+    for idx in sharding.micro_batches(samples, 8, budget):
+        log_probs, _ = sharding.forward_log_probs(model, [samples[i] for i in idx], 1.0, True, fused=fused)
         (-log_probs.sum() / 1e6).backward()
     sync(device)
     dt = time.perf_counter() - t
@@ -102,17 +104,17 @@ def host_and_device_ms(averages):
 
 def load(a, mode, device):
     """The policy as train_grpo.py loads it, with the torch.compile choices of `mode`."""
-    train_grpo.LOGITS_MATH.update(log_probs=train_grpo.token_log_probs)  # eager
+    sharding.LOGITS_MATH.update(log_probs=sharding.token_log_probs)  # eager
     if mode != "eager":
-        train_grpo.compile_logits_math()
+        sharding.compile_logits_math()
     args = train_grpo.Args(model=a.model, enable_gradient_checkpointing=a.gradient_checkpointing,
                            compile_layers=mode in ("all", "train", "fused"), compile_update=mode == "train")
-    return train_grpo.load_policy(a.model, device, True, False, args)
+    return sharding.load_policy(a.model, device, True, False, args)
 
 
 def main(a):
-    rank, world, device = train_grpo.init_distributed()
-    peak = train_grpo.measure_peak_flops(device)
+    rank, world, device = run.init_distributed()
+    peak = run.measure_peak_flops(device)
     model, reference = None, None
     print(f"{'mode':7s} {'pass':9s} {'tokens/micro':>12s} {'first s':>8s} {'seconds':>8s} {'TFLOP/s':>8s} "
           f"{'MFU':>6s} {'peak GB':>8s}", flush=True)
@@ -131,7 +133,7 @@ def main(a):
                   flush=True)
         # the same numbers whatever compiles: log-probs of 16 sequences against the first mode's
         with torch.no_grad():
-            check = train_grpo.forward_log_probs(model, samples[:16], 1.0, True, False)[0]
+            check = sharding.forward_log_probs(model, samples[:16], 1.0, True, False)[0]
         reference = check if reference is None else reference
         diff = (check - reference).abs()
         print(f"# {mode}: |log-prob - {a.modes[0]}'s| over 16 sequences: max {diff.max().item():.3g}, "
@@ -150,7 +152,7 @@ def main(a):
                 torch.cuda.empty_cache()
                 print(f"{mode:7s} {name:9s} {budget:>12d} out of memory", flush=True)
                 return False
-            perf = train_grpo.phase_perf({f"timing_s/{phase}": dt}, config, seq_len, tokens(seqs),
+            perf = run.phase_perf({f"timing_s/{phase}": dt}, config, seq_len, tokens(seqs),
                                          sum(len(r) for _, r in seqs), peak, 1, 0)
             mem = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else float("nan")
             print(f"{mode:7s} {name:9s} {budget:>12d} {first:>8.2f} {dt:>8.2f} {perf[f'perf/tflops/{key}']:>8.0f} "
@@ -162,7 +164,7 @@ def main(a):
         up_fit = [b for b in a.update_tokens if measure("update", update, mini, b, "update_actor", "actor")]
         if not up_fit:
             continue
-        up_idx = train_grpo.micro_batches(mini, 8, max(up_fit))[0]
+        up_idx = sharding.micro_batches(mini, 8, max(up_fit))[0]
         # the timed pass over that one micro-batch (it fits the budget whole): train mode, as update_actor
         update_profile = profiled(lambda: update(model, [mini[i] for i in up_idx], max(up_fit), device), device)
         host, dev = host_and_device_ms(update_profile)
@@ -172,10 +174,10 @@ def main(a):
     if out:
         os.makedirs(out, exist_ok=True)
     if lp_fit:
-        lp_idx = train_grpo.micro_batches(samples, 8, max(lp_fit))[0]
+        lp_idx = sharding.micro_batches(samples, 8, max(lp_fit))[0]
         with torch.no_grad():
             lp_profile = profiled(
-                lambda: train_grpo.forward_log_probs(model, [samples[i] for i in lp_idx], 1.0, True, False), device)
+                lambda: sharding.forward_log_probs(model, [samples[i] for i in lp_idx], 1.0, True, False), device)
         print("\nlog-prob micro-batch, top operators by device time:\n" + top_ops(
             lp_profile, device, out and os.path.join(out, "profile_log_prob.txt")), flush=True)
     if up_fit:

@@ -1,4 +1,5 @@
-"""Load verl-format parquet files into tokenized prompts for training and validation.
+"""Load verl-format parquet files into tokenized prompts for training and validation, and the order in
+which training draws them (a seeded shuffle per epoch, `PromptOrder` its cursor, which checkpoints keep).
 
 Each row needs (other columns are ignored):
     data_source   str                                  picks the scorer in reward.py
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import torch
 
 REQUIRED = ("data_source", "reward_model")
 
@@ -121,3 +123,37 @@ def load_rl_dataset(files, tokenizer, max_prompt_length, filter_overlong_prompts
         raise ValueError(f"no prompts left in {files} ({dataset.n_filtered} longer than max_prompt_length="
                          f"{max_prompt_length} were dropped); raise --max_prompt_length or check the files")
     return dataset
+
+
+# --- the order of the training prompts ------------------------------------------------------------
+
+
+def epoch_order(n_examples, epoch, seed):
+    """The training prompts' order in an epoch: a seeded shuffle, a new one each epoch."""
+    return torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def batch_order(n_examples, batch_size, epoch, seed):
+    """The prompts of each step of an epoch when each step takes one batch: last partial batch dropped
+    (verl). PromptOrder walks the same order, a round at a time."""
+    perm = epoch_order(n_examples, epoch, seed)
+    return [perm[i:i + batch_size] for i in range(0, n_examples - batch_size + 1, batch_size)]
+
+
+class PromptOrder:
+    """A cursor over the epochs' orders. A generation round looks at the next m prompts (`peek`), then
+    moves past the ones it used (`advance`). When fewer than m remain, the epoch ends and they are
+    dropped, as verl drops the last partial batch. (epoch, offset) is the position a checkpoint keeps.
+    Example: 10 prompts, rounds that look at 4 and use 4, 3, 2: offsets 4, 7, then a new epoch (3 left < 4),
+    whose first 2 prompts the third round uses."""
+
+    def __init__(self, n_examples, seed, epoch=0, offset=0):
+        self.n, self.seed, self.epoch, self.offset = n_examples, seed, epoch, offset
+
+    def peek(self, m):
+        if self.offset + m > self.n:
+            self.epoch, self.offset = self.epoch + 1, 0
+        return epoch_order(self.n, self.epoch, self.seed)[self.offset:self.offset + m]
+
+    def advance(self, k):
+        self.offset += k

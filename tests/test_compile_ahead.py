@@ -5,11 +5,13 @@ torch.compile runs with the aot_eager backend here: which graphs dynamo captures
 needs another, does not depend on the backend, and inductor's code generation would take a minute on 2 cores.
 """
 
+import sharding
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import sharding
 import train_grpo
 import train_ppo
 from tests.tiny_model import free_port
@@ -20,15 +22,16 @@ COMPILE_AHEAD = """
 import functools, os, sys, torch, torch.distributed as dist
 torch.compile = functools.partial(torch.compile, backend="aot_eager")  # before the scripts compile anything
 sys.path.insert(0, os.getcwd())
-import train_grpo, train_ppo
+import sharding, train_grpo, train_ppo
 from torch._dynamo.utils import counters
-from tests.tiny_model import make_samples, make_tiny_model
+from tests.tiny_model import make_samples
+from bench.tiny import make_tiny_model
 dist.init_process_group("gloo", rank=0, world_size=1)
 path = make_tiny_model(sys.argv[1])
 device = torch.device("cpu")
 # a real step's batch: other sizes than compile_ahead's, over more sequences
 samples = make_samples([(5, 3), (9, 6), (3, 7), (4, 4), (6, 2)], seed=0)
-mask = train_grpo.response_targets(samples, 7, device)[1]  # (5, 7)
+mask = sharding.response_targets(samples, 7, device)[1]  # (5, 7)
 torch.manual_seed(0)
 advantages = torch.randn(5, 7) * mask
 
@@ -50,14 +53,15 @@ for script in (train_grpo, train_ppo):
         kw.update(critic_model=path, critic_ppo_max_token_len_per_gpu=128)
     args = script.Args(**kw)
     script.check_args(args, 1)  # fills in the defaults that depend on other flags
-    script.compile_logits_math()
-    actor = script.load_policy(path, device, True, False, args)
-    ref = script.load_policy(path, device, False, False, args)
-    models = [actor, ref] + ([script.load_critic(path, device, args)] if script is train_ppo else [])
+    sharding.compile_logits_math()
+    actor = sharding.load_policy(path, device, True, False, args)
+    ref = sharding.load_policy(path, device, False, False, args)
+    models = [actor, ref] + ([sharding.load_critic(path, device, args)] if script is train_ppo else [])
     before = snapshot(*models)
     torch._dynamo.reset()  # nothing compiled for the other script's models stays to be reused
     counters.clear()
-    script.compile_ahead(*models, args, device)
+    critic = dict(critic=models[2], update_critic=script.update_critic) if script is train_ppo else {}
+    sharding.compile_ahead(actor, ref, args, device, script.update_actor, **critic)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0, script.__name__
     assert same(models, before), f"{script.__name__}: compile_ahead changed a weight"
@@ -66,11 +70,11 @@ for script in (train_grpo, train_ppo):
     optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-3)
     budget = args.log_prob_max_token_len_per_gpu
     with torch.compiler.set_stance("fail_on_recompile"):
-        old, _ = script.batched_log_probs(actor, samples, 8, 1.0, True, 7, budget, with_entropy=True)
-        ref_log_probs, _ = script.batched_log_probs(ref, samples, 8, 1.0, True, 7, budget)
+        old, _ = sharding.batched_log_probs(actor, samples, 8, 1.0, True, 7, budget, with_entropy=True)
+        ref_log_probs, _ = sharding.batched_log_probs(ref, samples, 8, 1.0, True, 7, budget)
         if script is train_ppo:
             critic = models[2]
-            values = script.batched_values(critic, samples, 8, True, 7, budget)
+            values = sharding.batched_values(critic, samples, 8, True, 7, budget)
             script.update_critic(critic, torch.optim.AdamW(critic.parameters(), lr=1e-3), samples, values,
                                  advantages, mask, args, 1, device)
         script.update_actor(actor, optimizer, samples, old, ref_log_probs, advantages, mask, args, 1, device)
@@ -90,16 +94,10 @@ def test_compile_ahead_leaves_the_weights_and_the_first_step_nothing_to_compile(
 
 def test_made_up_batch_fills_the_largest_token_budget():
     # 8 + 16 tokens a sequence: 160 // 24 = 6 sequences, the last with half the response (8 + 8): 128 tokens
-    args = train_grpo.Args(use_dynamic_bsz=True, max_response_length=16, log_prob_max_token_len_per_gpu=160,
-                           ppo_max_token_len_per_gpu=96)
-    samples, T = train_grpo.made_up_batch(args)
+    samples, T = sharding.made_up_batch(16, 160)
     assert T == 16 and [(len(p), len(r)) for p, r in samples] == [(8, 16)] * 5 + [(8, 8)]
-    # PPO's critic budget counts too
-    samples, T = train_ppo.made_up_batch(train_ppo.Args(use_dynamic_bsz=True, max_response_length=16,
-                                                        log_prob_max_token_len_per_gpu=96,
-                                                        ppo_max_token_len_per_gpu=96,
-                                                        critic_ppo_max_token_len_per_gpu=240))
+    samples, T = sharding.made_up_batch(16, 240)  # PPO's critic budget, when it is the largest
     assert len(samples) == 10 and T == 16
     # without a token budget: two short sequences, the micro-batches counted in sequences
-    samples, T = train_grpo.made_up_batch(train_grpo.Args())
+    samples, T = sharding.made_up_batch(1024)
     assert [(len(p), len(r)) for p, r in samples] == [(8, 12), (4, 6)] and T == 12

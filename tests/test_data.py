@@ -1,4 +1,5 @@
-"""data/gsm8k.py (verl's rows and types) and data/dataset.py (validation, chat template, length limits)."""
+"""data/gsm8k.py (verl's rows and types) and data/dataset.py (validation, chat template, length limits, and
+the prompts' order: seeded per epoch, batches and rounds that drop an epoch's short rest)."""
 
 import importlib.metadata
 import importlib.util
@@ -12,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from data import gsm8k
-from data.dataset import load_rl_dataset
-from tests.tiny import make_tiny_tokenizer
+from data.dataset import PromptOrder, batch_order, epoch_order, load_rl_dataset
+from bench.tiny import make_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -249,3 +250,37 @@ def test_overlong_prompts(tmp_path, tokenizer):
 
     with pytest.raises(ValueError, match="no prompts left .*3 longer than max_prompt_length=20"):
         load_rl_dataset(path, tokenizer, 20)
+
+
+# --- data/dataset.py: the prompts' order ---
+
+
+def test_batch_order_is_seeded_and_drops_the_last_partial_batch():
+    order = batch_order(10, 4, epoch=0, seed=1)  # 10 prompts in batches of 4: 2 batches, 2 prompts dropped
+    assert [len(b) for b in order] == [4, 4]
+    flat = [i for b in order for i in b]
+    assert len(set(flat)) == 8 and all(0 <= i < 10 for i in flat)
+    assert batch_order(10, 4, epoch=0, seed=1) == order  # a resumed run replays the same order
+    assert batch_order(10, 4, epoch=1, seed=1) != order  # a new shuffle per epoch
+    assert batch_order(10, 4, epoch=0, seed=2) != order
+    assert batch_order(8, 4, 0, 1) and len(batch_order(8, 4, 0, 1)) == 2  # exact fit keeps every batch
+    assert batch_order(3, 4, 0, 1) == []
+
+
+def test_prompt_order_moves_past_what_rounds_use_and_drops_an_epochs_short_rest():
+    perm0, perm1 = epoch_order(10, 0, seed=1), epoch_order(10, 1, seed=1)
+    assert sorted(perm0) == list(range(10)) and perm1 != perm0 and epoch_order(10, 0, seed=1) == perm0
+    order = PromptOrder(10, seed=1)
+    assert order.peek(4) == perm0[:4]
+    order.advance(4)
+    assert order.peek(4) == perm0[4:8]
+    order.advance(3)  # a round that generated 3 of the 4 prompts it looked at: the 4th comes next
+    assert order.peek(4) == perm1[:4] and (order.epoch, order.offset) == (1, 0)  # 3 left < 4: dropped
+    order.advance(2)
+    assert PromptOrder(10, seed=1, epoch=1, offset=2).peek(3) == order.peek(3) == perm1[2:5]  # a resume
+    # rounds that each use a whole batch take batch_order's batches
+    whole, taken = PromptOrder(10, seed=1), []
+    for _ in range(4):
+        taken.append(whole.peek(4))
+        whole.advance(4)
+    assert taken == batch_order(10, 4, 0, 1) + batch_order(10, 4, 1, 1)

@@ -18,7 +18,7 @@ import reward
 from data import arith
 from data.dataset import load_rl_dataset
 from data.gsm8k import SCHEMA
-from tests.tiny import make_tiny_tokenizer
+from bench.tiny import make_tiny_tokenizer
 from tests.tiny_model import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

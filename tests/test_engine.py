@@ -19,8 +19,9 @@ import torch
 
 import rollout
 from rollout import HFEngine, group_share, logprob_gap, tp_layout
-from tests.tiny import make_tiny_tokenizer
-from tests.tiny_model import free_port, make_tiny_model
+from bench.tiny import make_tiny_tokenizer
+from tests.tiny_model import free_port
+from bench.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -254,7 +255,7 @@ import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, os.getcwd())
 import sharding
 from transformers import AutoModelForCausalLM
-from tests.tiny_model import tiny_config
+from bench.tiny import tiny_config
 dist.init_process_group("gloo", rank=0, world_size=1)
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_config(tiny_config(tie=False))
@@ -375,7 +376,7 @@ def test_export_hf_loads_in_transformers_and_vllm(dist_results):
 def test_vllm_log_probs_only_where_asked(tmp_path, monkeypatch):
     pytest.importorskip("vllm")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from tests.tiny_model import make_tiny_model
+    from bench.tiny import make_tiny_model
     from vllm.model_executor.models import registry
 
     def no_subprocess(fn):

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import rollout
-from tests.tiny import make_tiny_tokenizer
-from tests.tiny_model import free_port, make_tiny_model
+from bench.tiny import make_tiny_tokenizer
+from tests.tiny_model import free_port
+from bench.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tests.gpu.test_gpu import assert_device_independent
-from tests.tiny_model import free_port, make_tiny_model
+from tests.tiny_model import free_port
+from bench.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),

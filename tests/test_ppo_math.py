@@ -1,30 +1,24 @@
 """train_ppo.py's math against small examples worked out by hand, and its properties: GAE equals a plain
 loop, padding never leaks in, whitening gives mean 0 / variance 1, the value clip picks the right branch,
-the KL controllers follow Ziegler et al., packed values equal padded ones, micro-batching leaves the
-critic's gradient unchanged.
+the KL controllers follow Ziegler et al., micro-batching leaves the critic's gradient unchanged, the fused
+head and the --rollout_is weights reach the actor's update. The value passes and load_critic are tested in
+tests/test_sharding.py.
 
 Shapes as in train_ppo.py: N sequences, T response tokens.
 """
 
 
+import batches
 import pytest
 import torch
 from transformers import AutoModelForTokenClassification
 
 import sharding
 import train_ppo
-from train_ppo import (
-    AdaptiveKLController,
-    Args,
-    FixedKLController,
-    apply_kl_penalty,
-    check_args,
-    compute_gae_advantage_return,
-    compute_value_loss,
-    explained_variance,
-    forward_values,
-)
-from tests.tiny_model import LENGTHS, GradRecorder, make_samples, tiny_config
+from train_ppo import AdaptiveKLController, Args, FixedKLController, apply_kl_penalty, check_args, compute_gae_advantage_return, compute_value_loss, explained_variance
+from sharding import forward_values
+from tests.tiny_model import LENGTHS, GradRecorder, make_samples
+from bench.tiny import tiny_config
 
 
 def close(actual, expected, atol=1e-5):
@@ -267,27 +261,10 @@ def critic():
     return model
 
 
-@torch.no_grad()
-def test_packed_values_equal_padded_and_a_loop(critic):
-    samples = make_samples(LENGTHS)
-    packed = forward_values(critic, samples, packed=True)  # (N, T)
-    padded = forward_values(critic, samples, packed=False)
-    assert packed.shape == padded.shape == (4, 6)
-    close(packed, padded)
-    mask = train_ppo.response_targets(samples, 6, "cpu")[1]
-    assert torch.equal(packed * (1 - mask), torch.zeros_like(packed))
-    # each sequence alone: the value of response token t is the head's output at position |p| - 1 + t
-    for i, (p, r) in enumerate(samples):
-        expected = critic(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:-1, 0]
-        close(packed[i, :len(r)], expected)
-    # batched_values pads every micro-batch to the batch's T
-    close(train_ppo.batched_values(critic, samples, 3, True, 6), packed)
-
-
 def test_update_critic_gradient_does_not_depend_on_micro_batch_size(critic, monkeypatch):
     monkeypatch.setattr(train_ppo.dist, "get_world_size", lambda: 1)
     samples = make_samples(LENGTHS, seed=3)
-    mask = train_ppo.response_targets(samples, 6, "cpu")[1]
+    mask = sharding.response_targets(samples, 6, "cpu")[1]
     g = torch.Generator().manual_seed(4)
     with torch.no_grad():
         values = forward_values(critic, samples, True) + 0.3 * torch.randn(4, 6, generator=g) * mask
@@ -311,17 +288,6 @@ def test_update_critic_gradient_does_not_depend_on_micro_batch_size(critic, monk
     assert metrics1["critic/grad_norm"] > 0 and metrics1["critic/vf_clipfrac"] > 0
 
 
-def test_load_critic_turns_the_heads_dropout_off(tmp_path, monkeypatch):
-    """The value head's dropout (transformers' default 0.1) is off: the update runs in train mode, where
-    it would act, and the values it regresses were computed without it."""
-    from tests.tiny_model import make_tiny_model
-    path = make_tiny_model(str(tmp_path / "tiny"))
-    monkeypatch.setattr(sharding, "apply_fsdp2", lambda model, **_: model)  # no process group here
-    critic = train_ppo.load_critic(path, torch.device("cpu"), Args(model=path))
-    rates = [m.p for m in critic.modules() if isinstance(m, torch.nn.Dropout)]
-    assert rates and all(p == 0 for p in rates)
-
-
 def test_update_actor_with_fused_kernels_takes_the_same_steps(monkeypatch):
     """--use_fused_kernels reaches the actor's update: every micro-batch's forward runs through
     sharding.fused_log_probs, and the optimizer steps and metrics equal those without it."""
@@ -333,8 +299,8 @@ def test_update_actor_with_fused_kernels_takes_the_same_steps(monkeypatch):
                                              attn_implementation=sharding.PACKED_ATTENTION)
     samples = make_samples(LENGTHS, seed=3)
     with torch.no_grad():
-        log_probs, _ = train_ppo.forward_log_probs(actor, samples, 1.0, True, with_entropy=False)
-    mask = train_ppo.response_targets(samples, 6, "cpu")[1]
+        log_probs, _ = sharding.forward_log_probs(actor, samples, 1.0, True, with_entropy=False)
+    mask = sharding.response_targets(samples, 6, "cpu")[1]
     g = torch.Generator().manual_seed(4)
     old_log_probs = (log_probs + 0.4 * (torch.rand(4, 6, generator=g) - 0.5)) * mask
     advantages = torch.randn(4, 6, generator=g) * mask
@@ -365,7 +331,7 @@ def test_rollout_is_weights_and_the_weighted_policy_loss_by_hand():
     # Policy loss at ratio 1 (log_probs = old): -A per token; weighted: -1.5 * 1 and -0.5 * -2 = 1
     old = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    weights, _ = train_ppo.rollout_is_weights(old, torch.log(torch.tensor([[0.25, 0.4, 0.01]])), mask, "token", 1.5)
+    weights, _ = batches.rollout_is_weights(old, torch.log(torch.tensor([[0.25, 0.4, 0.01]])), mask, "token", 1.5)
     close(weights, [[1.5, 0.5, 0.0]])
     pg_losses, _ = train_ppo.compute_policy_loss(old, old, torch.tensor([[1.0, -2.0, 0.0]]), mask, 0.2, 0.2, 3.0,
                                                  weights)

@@ -1,4 +1,5 @@
-"""reward.py: GSM8K scoring against a hand-worked table and verl's reference, dispatch, custom rewards."""
+"""reward.py: GSM8K scoring against a hand-worked table and verl's reference, dispatch, custom rewards,
+validation metrics (mean@k, pass@k, extras) by hand."""
 
 import random
 import re
@@ -238,3 +239,21 @@ def test_gsm8k_partial_credit_as_a_custom_reward_file():
                                            ["7", "7", "85"], [None] * 3)
     assert scores == [0.5, 1.0, 1.0] and n_errors == 0
     assert extras == {"acc": [0.0, 1.0, 0.0]}  # arith returns a float: no "acc", counted 0
+
+
+def test_validation_metrics_by_hand():
+    nan = float("nan")
+    rows = [("a", {"reward": [1.0, 0.0], "reward_flexible": [1.0, 1.0], "acc": [1.0, 0.0], "fmt": [0.5, 0.5]}, [3, 5]),
+            ("a", {"reward": [0.0, 0.0], "reward_flexible": [0.0, 1.0]}, [4, 4]),  # the reward returned no extras
+            ("b", {"reward": [1.0, 1.0], "reward_flexible": [nan, nan]}, [2, 2])]  # no flexible scorer
+    assert reward.validation_metrics(rows, 2) == {
+        # pass@1 = mean over problems of (right / 2); pass@2: any right
+        "val-core/a/reward/mean@2": 0.25, "val-core/a/reward/pass@1": 0.25, "val-core/a/reward/pass@2": 0.5,
+        "val-core/a/reward_flexible/mean@2": 0.75, "val-core/a/reward_flexible/pass@1": 0.75,
+        "val-core/a/reward_flexible/pass@2": 1.0,
+        # "acc" (verl's core score) with pass@k; other extras as val-aux means; a missing extra counts 0
+        "val-core/a/acc/mean@2": 0.25, "val-core/a/acc/pass@1": 0.25, "val-core/a/acc/pass@2": 0.5,
+        "val-aux/a/fmt/mean@2": 0.25,
+        "val-aux/a/response_length/mean": 4.0,
+        "val-core/b/reward/mean@2": 1.0, "val-core/b/reward/pass@1": 1.0, "val-core/b/reward/pass@2": 1.0,
+        "val-aux/b/response_length/mean": 2.0}

@@ -1,9 +1,10 @@
 """train_grpo.py end to end on CPU: two real steps under `torchrun --nproc_per_node=2` (gloo) with each
 rollout engine, resume equivalence, a finished run, and start-up failures (dynamic sampling:
-tests/test_train_grpo_filter.py).
+tests/test_train_grpo_filter.py; the rows written and the validation metrics by hand: tests/test_batches.py,
+tests/test_reward.py).
 
 Data: a 24-prompt GSM8K-shaped fixture made by data/gsm8k.py; model: the tiny random Qwen2 of
-tests/tiny_model.py; reward: the share of ASCII letters and digits in the response, which a random
+bench/tiny.py; reward: the share of ASCII letters and digits in the response, which a random
 model scores unevenly, so groups differ and advantages are non-zero.
 """
 
@@ -22,10 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 import sharding
-import train_grpo
-from data.dataset import Example
-from tests.tiny import make_tiny_tokenizer
-from tests.tiny_model import free_port, make_tiny_model
+from tests.tiny_model import free_port
+from bench.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 LR = 1e-4
@@ -249,38 +248,6 @@ def test_rollout_and_validation_data_dirs_hold_every_response(assets, vllm_run):
         assert sum(r["score"] for r in rows) / 8 == pytest.approx(m[step][prefix + "reward/mean@1"])
         assert sum(r["score_flexible"] for r in rows) / 8 == pytest.approx(m[step][prefix + "reward_flexible/mean@1"])
         assert sum(r["acc"] for r in rows) / 8 == pytest.approx(m[step][prefix + "acc/mean@1"])  # the reward's extra
-
-
-def test_generation_rows_by_hand(tmp_path):
-    tok = make_tiny_tokenizer()
-    example = Example(tok.encode("What is 2 plus 3?"), "my_source", "5", None, 0, "f.parquet")
-    groups = [dict(example=example, texts=["5", "6"], scores=[1.0, 0.0], flexible=[float("nan")] * 2,
-                   extras={"acc": [1.0, 0.0]})]
-    rows = train_grpo.generation_rows(groups, tok, step=7)
-    assert rows == [{"input": "What is 2 plus 3?", "output": "5", "gts": "5", "score": 1.0, "step": 7, "acc": 1.0},
-                    {"input": "What is 2 plus 3?", "output": "6", "gts": "5", "score": 0.0, "step": 7, "acc": 0.0}]
-    groups[0]["flexible"] = [1.0, 0.0]  # a data source with a flexible scorer
-    assert [r["score_flexible"] for r in train_grpo.generation_rows(groups, tok, 7)] == [1.0, 0.0]
-    train_grpo.dump_generations(tmp_path / "d", "7", rows)
-    assert os.listdir(tmp_path / "d") == ["7.jsonl"] and read_jsonl(tmp_path / "d" / "7.jsonl") == rows
-
-
-def test_validation_metrics_by_hand():
-    nan = float("nan")
-    rows = [("a", {"reward": [1.0, 0.0], "reward_flexible": [1.0, 1.0], "acc": [1.0, 0.0], "fmt": [0.5, 0.5]}, [3, 5]),
-            ("a", {"reward": [0.0, 0.0], "reward_flexible": [0.0, 1.0]}, [4, 4]),  # the reward returned no extras
-            ("b", {"reward": [1.0, 1.0], "reward_flexible": [nan, nan]}, [2, 2])]  # no flexible scorer
-    assert train_grpo.validation_metrics(rows, 2) == {
-        # pass@1 = mean over problems of (right / 2); pass@2: any right
-        "val-core/a/reward/mean@2": 0.25, "val-core/a/reward/pass@1": 0.25, "val-core/a/reward/pass@2": 0.5,
-        "val-core/a/reward_flexible/mean@2": 0.75, "val-core/a/reward_flexible/pass@1": 0.75,
-        "val-core/a/reward_flexible/pass@2": 1.0,
-        # "acc" (verl's core score) with pass@k; other extras as val-aux means; a missing extra counts 0
-        "val-core/a/acc/mean@2": 0.25, "val-core/a/acc/pass@1": 0.25, "val-core/a/acc/pass@2": 0.5,
-        "val-aux/a/fmt/mean@2": 0.25,
-        "val-aux/a/response_length/mean": 4.0,
-        "val-core/b/reward/mean@2": 1.0, "val-core/b/reward/pass@1": 1.0, "val-core/b/reward/pass@2": 1.0,
-        "val-aux/b/response_length/mean": 2.0}
 
 
 def test_resume_replays_the_uninterrupted_run(assets, vllm_run):

@@ -1,10 +1,12 @@
 """train_grpo.py's dynamic sampling end to end on CPU (`--filter_groups`, `--filter_groups_from_step`,
-`--gen_batch_size`, `--skip_all_equal`), two ranks under torchrun with gloo, and its arithmetic by hand.
+`--gen_batch_size`, `--skip_all_equal`), two ranks under torchrun with gloo (its arithmetic by hand:
+tests/test_batches.py).
 
 The same fixture as tests/test_train_grpo.py (24 GSM8K-shaped prompts, the tiny random Qwen2), with a
 0/1 reward by a checksum of the response, so that a group of 2 responses ties about half the time.
 """
 
+from data import dataset
 import pytest
 
 import train_grpo
@@ -125,38 +127,6 @@ def test_skip_all_equal_generates_again_only_prompts_that_had_signal(assets, ski
     assert any(a == b for v in visits.values() for a, b in v[:1])
 
 
-def test_selective_rollout_by_hand():
-    # streaks [1, 1, 1, 0], explore 0.5: Random(0) draws 0.844, 0.758, 0.421 for the first three (kept below
-    # 0.5); the fourth is kept without a draw
-    assert train_grpo.selective_rollout([0, 1, 2, 3], [1, 1, 1, 0], 0.5, 0, 1) == [2, 3]
-    # the same on 2 ranks; on 3 the kept ones are cut to a multiple of 3: none
-    assert train_grpo.selective_rollout([0, 1, 2, 3], [1, 1, 1, 0], 0.5, 0, 2) == [2, 3]
-    assert train_grpo.selective_rollout([0, 1, 2, 3], [1, 1, 1, 0], 0.5, 0, 3) == []
-    # streak 2 at explore 0.5: a draw below 0.25 keeps it; 0.844, 0.758, 0.421 skip all three
-    assert train_grpo.selective_rollout([0, 1, 2, 3], [2, 2, 2, 0], 0.5, 0, 1) == [3]
-    # no streak, or explore 1: every prompt, in its order
-    assert train_grpo.selective_rollout([5, 3, 9, 1], [0] * 10, 0.01, 7, 2) == [5, 3, 9, 1]
-    assert train_grpo.selective_rollout([5, 3, 9, 1], [3] * 10, 1.0, 7, 2) == [5, 3, 9, 1]
-    # over many prompts the kept share is explore**streak
-    many = range(20000)
-    assert len(train_grpo.selective_rollout(many, [1] * 20000, 0.5, 1, 1)) == pytest.approx(10000, rel=0.03)
-    assert len(train_grpo.selective_rollout(many, [2] * 20000, 0.5, 1, 1)) == pytest.approx(5000, rel=0.05)
-
-
-def test_round_size_by_hand():
-    # nothing kept yet: the whole batch
-    assert train_grpo.round_size(256, 0, 0, 256, 1) == 256
-    assert train_grpo.round_size(200, 0, 256, 256, 1) == 256
-    # 26 missing after 230 of 512 kept: 26 / (230 / 512) * 1.2 = 69.46 -> 70; on 4 ranks 72
-    assert train_grpo.round_size(26, 230, 512, 256, 1) == 70
-    assert train_grpo.round_size(26, 230, 512, 256, 4) == 72
-    # 141 missing after 115 of 256: 141 / 0.449 * 1.2 = 376.7, more than the batch holds
-    assert train_grpo.round_size(141, 115, 256, 256, 1) == 256
-    assert train_grpo.round_size(141, 115, 256, 768, 8) == 384
-    # exact arithmetic at the boundary: 5 / (5 / 10) * 1.2 = 12 exactly, not 13
-    assert train_grpo.round_size(5, 5, 10, 64, 1) == 12
-
-
 def test_gen_batch_size_generates_rounds_of_at_most_that_many_prompts(assets, tmp_path):
     # the binary reward, also writing down which train prompt (extra_info's index) each response answers
     def reward_file(name):
@@ -183,7 +153,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
                         "--gen_batch_size", "6", "--max_num_gen_batches", "0", *quiet))
     assert proc.returncode == 0, proc.output[-6000:]
     m = metrics_by_step(out)
-    order = train_grpo.epoch_order(24, 0, train_grpo.Args.seed)  # the epoch's shuffle
+    order = dataset.epoch_order(24, 0, train_grpo.Args.seed)  # the epoch's shuffle
     first_prompts = [int(x) for x in first_log.read_text().split()]
     assert sorted(first_prompts) == sorted(order[:8] * 2)  # 2 responses per prompt
     prompts = [int(x) for x in second_log.read_text().split()]
@@ -193,7 +163,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     assert sorted(prompts[:12]) == sorted(order[8:14] * 2)
     # every round goes on where the last one stopped: the prompts generated are the epoch's next ones, a
     # of them: all, or, once fewer than 6 were left (24 - 8 - a < 6), those and the next epoch's first ones
-    second_epoch = train_grpo.epoch_order(24, 1, train_grpo.Args.seed)
+    second_epoch = dataset.epoch_order(24, 1, train_grpo.Args.seed)
     total = sum(generated)
     assert any(sorted(prompts) == sorted((order[8:8 + a] + second_epoch[:total - a]) * 2)
                for a in range(min(16, total) + 1) if a == total or a >= 11), prompts

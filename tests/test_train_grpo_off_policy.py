@@ -6,6 +6,7 @@ The same fixture as tests/test_train_grpo.py (24 GSM8K-shaped prompts, the tiny 
 varies within groups, so that every update moves the policy).
 """
 
+from data import dataset
 import contextlib
 import inspect
 import json
@@ -41,7 +42,7 @@ def trained_prompts(dump_dir, step, index):
 
 def test_one_step_off_policy_trains_each_batch_one_update_after_the_weights_that_sampled_it(assets, tmp_path):
     index = question_indices(assets)
-    order = train_grpo.batch_order(24, 4, 0, SEED)  # one epoch: 6 batches of 4 prompts
+    order = dataset.batch_order(24, 4, 0, SEED)  # one epoch: 6 batches of 4 prompts
     common = ("--one_step_off_policy", "--logprob_check_prompts", "-1", "--export_final", "false",
               "--keep_last_checkpoints", "3")
     out, dumps = tmp_path / "run", tmp_path / "rollouts"

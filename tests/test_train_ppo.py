@@ -2,7 +2,7 @@
 rollout engine, critic warm-up, and resume equivalence (actor, critic and the adaptive KL coefficient).
 
 Data, model and reward as in tests/test_train_grpo.py: a GSM8K-shaped fixture made by data/gsm8k.py,
-the tiny random Qwen2 of tests/tiny_model.py (the critic loads the same body with a new value head),
+the tiny random Qwen2 of bench/tiny.py (the critic loads the same body with a new value head),
 and the share of ASCII letters and digits in the response, which varies from response to response.
 """
 

@@ -24,8 +24,8 @@ from transformers import AutoModelForCausalLM
 
 import rollout
 import sharding
-from tests.tiny import make_tiny_tokenizer
-from tests.tiny_model import make_tiny_model
+from bench.tiny import make_tiny_tokenizer
+from bench.tiny import make_tiny_model
 
 B, T = 2, 24  # rows per rank, tokens per row of the training batches
 LR = 1e-2  # large, so two AdamW steps move every weight (embeddings included) far from its init

@@ -64,7 +64,7 @@ def compiled_log_probs_check(device, tokens=16384, vocab=151936):
     targets = torch.randint(0, vocab, (tokens,), generator=g, device=device)
     coef, coef_entropy = (torch.randn(tokens, generator=g, device=device) for _ in range(2))
     runs = []
-    for fn in (train_grpo.token_log_probs, sharding.compiled_log_probs):
+    for fn in (sharding.token_log_probs, sharding.compiled_log_probs):
         x = logits.clone().requires_grad_()
         log_probs, entropy = fn(x, targets, 0.7, with_entropy=True)
         ((log_probs * coef).sum() + (entropy * coef_entropy).sum()).backward()
@@ -84,12 +84,12 @@ def fused_check(model, samples):
     for fused in (False, True):
         for term in (0, 1):  # the gradient of the log-probs' sum, then of the entropies'
             model.zero_grad(set_to_none=True)
-            out = train_grpo.forward_log_probs(model, samples, 1.0, True, with_entropy=True, fused=fused)
+            out = sharding.forward_log_probs(model, samples, 1.0, True, with_entropy=True, fused=fused)
             out[term].sum().backward()
             grad = torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
             runs[fused, term] = out[term].detach(), grad
     model.zero_grad(set_to_none=True)
-    mask = train_grpo.response_targets(samples, runs[False, 0][0].shape[1], runs[False, 0][0].device)[1]
+    mask = sharding.response_targets(samples, runs[False, 0][0].shape[1], runs[False, 0][0].device)[1]
     mean_diff = lambda a, b: ((a - b).abs() * mask).sum().item() / mask.sum().item()  # noqa: E731
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     return {"fused_log_prob_mean_diff": mean_diff(runs[True, 0][0], runs[False, 0][0]),
@@ -134,9 +134,9 @@ def main(model_path, out_path):
     sampled = engine.generate(prompts, n=4, temperature=1.0, max_tokens=32, seed=0)
     samples = [(p, s.token_ids) for p, o in zip(prompts, sampled) for s in o]
     T = max(len(r) for _, r in samples)
-    lp, _ = train_grpo.batched_log_probs(actor, samples, 8, 1.0, True, T)
+    lp, _ = sharding.batched_log_probs(actor, samples, 8, 1.0, True, T)
     rlp = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for o in sampled for s in o], device=device)
-    res["logprob_gap_bf16"] = logprob_gap(lp, rlp, train_grpo.response_targets(samples, T, device)[1])
+    res["logprob_gap_bf16"] = logprob_gap(lp, rlp, sharding.response_targets(samples, T, device)[1])
     res |= fused_check(actor, samples)
     if GPU:
         # the same model with its shards offloaded to the CPU (--param_offload, --ref_param_offload)
@@ -145,7 +145,7 @@ def main(model_path, out_path):
                                                          attn_implementation=sharding.PACKED_ATTENTION)
         offloaded.load_state_dict({n: t.cpu() for n, t in sharding.iter_full_tensors(actor)}, strict=False)
         sharding.apply_fsdp2(offloaded, cpu_offload=True)
-        off_lp, _ = train_grpo.batched_log_probs(offloaded, samples, 8, 1.0, True, T)
+        off_lp, _ = sharding.batched_log_probs(offloaded, samples, 8, 1.0, True, T)
         res["offloaded_log_prob_max_diff"] = (off_lp - lp).abs().max().item()
         del offloaded
     sharding.reshard(actor)  # the no-grad forward above left the root's bf16 copies in place

@@ -1,0 +1,570 @@
+"""A run's life around a train script's loop: the flags every script shares, start-up and resume, the
+engine's start, logging, timing and performance accounting, the validate / checkpoint / SIGTERM cadence at
+the end of each step, and the final export.
+
+A train script declares `Args(RunArgs)` with its algorithm's flags, then, in `main`:
+    r = run.start(args, check_args)      # process group, flags, reward function, tokenizer, data, steps
+    ...load its models and optimizers...
+    state = r.resume(models, optimizers, schedulers)   # the checkpoint's trainer state, {} when fresh
+    engine = r.make_engine(); r.engine_ready(engine, actor)
+    for step in range(r.step + 1, r.total_steps + 1):
+        ...phases 1-6...
+        if r.end_step(step, metrics, timer, batch, old_log_probs, batches): break   # 7
+    return r.finish(step, metrics, actor, batches)
+Nothing here knows an algorithm: what differs between scripts (their models, their trainer state) is
+passed in as values.
+"""
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+from transformers import AutoTokenizer, HfArgumentParser
+
+import reward
+import sharding
+from batches import batch_metrics, validate
+from data.dataset import load_rl_dataset
+from rollout import make_engine
+
+IMPORTED = time.time()
+
+
+@dataclass
+class RunArgs:
+    """The flags every train script shares: model and data, the engine, micro-batches, the learning rate's
+    schedule, memory, speed, reward and trainer. A script's Args adds its algorithm's flags and may
+    re-declare a field here to change its default (its reference run's)."""
+
+    model: str = field(default="Qwen/Qwen2.5-0.5B-Instruct", metadata={"help": "hub id or local folder"})
+    train_files: str = field(default="~/data/gsm8k/train.parquet", metadata={"help": "parquet, comma-separated"})
+    val_files: str = field(default="~/data/gsm8k/test.parquet", metadata={"help": "parquet, comma-separated"})
+    train_batch_size: int = field(default=256, metadata={"help": "prompts per step (all ranks)"})
+    max_prompt_length: int = field(default=512, metadata={"help": "tokens, after the chat template"})
+    max_response_length: int = field(default=1024, metadata={"help": "tokens generated at most"})
+    filter_overlong_prompts: bool = field(default=False, metadata={"help": "drop prompts over max_prompt_length"})
+    truncation: str = field(default="error", metadata={"help": "overlong prompts when not filtered: error|left|right"})
+    # rollout
+    rollout_engine: str = field(default="vllm", metadata={"help": "vllm | hf (transformers generate)"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})
+    top_k: int = field(default=-1, metadata={"help": "-1 = off"})
+    tensor_model_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM replica"})
+    logprob_check_prompts: int = field(default=8, metadata={
+        "help": "prompts per GPU per step whose engine log-probs are checked (rollout/logprob_gap_mean); -1: all"})
+    gpu_memory_utilization: float = field(default=0.6, metadata={"help": "vLLM's share of GPU memory while awake"})
+    max_num_seqs: int = field(default=1024, metadata={
+        "help": "sequences vLLM decodes at once; the rest of a step's batch waits for free slots"})
+    engines_per_gpu: int = field(default=1, metadata={
+        "help": "vLLM engines per GPU, each in a process of its own decoding a share of the sequences: a small "
+        "model's generation is bound by vLLM's host work, which K processes share (docs/benchmarks.md)"})
+    rollout_compile: bool = field(default=False, metadata={
+        "help": "run vLLM's model through torch.compile (vLLM's default); off: CUDA graphs of vLLM's uncompiled "
+        "forward for every decoding batch, which on an H200 was ready 31 s sooner and generated faster "
+        "(docs/benchmarks.md)"})
+    # micro-batches (each pass's size; the optimizer's mini-batch is the algorithm's)
+    ppo_micro_batch_size_per_gpu: int = field(default=4, metadata={"help": "sequences per forward/backward"})
+    log_prob_micro_batch_size_per_gpu: int = field(default=8, metadata={"help": "sequences per log-prob forward"})
+    use_dynamic_bsz: bool = field(default=False, metadata={
+        "help": "micro-batches by token budget (the *_max_token_len_per_gpu flags) instead of sequence count"})
+    ppo_max_token_len_per_gpu: int = field(default=16384, metadata={"help": "tokens per forward/backward"})
+    log_prob_max_token_len_per_gpu: int = field(default=16384, metadata={"help": "tokens per log-prob forward"})
+    # the learning rate's schedule
+    lr_warmup_steps: int = field(default=-1, metadata={"help": "-1: use lr_warmup_steps_ratio"})
+    lr_warmup_steps_ratio: float = field(default=0.0, metadata={"help": "warmup as a fraction of all steps"})
+    lr_scheduler_type: str = field(default="constant", metadata={"help": "constant | cosine (after warmup)"})
+    min_lr_ratio: float = field(default=0.0, metadata={
+        "help": "cosine: the rate it decays to, as a fraction of --actor_lr"})
+    lr_decay_steps_ratio: float = field(default=1.0, metadata={
+        "help": "cosine: decay over this last fraction of all steps and hold the rate before it (warmup-stable-"
+                "decay); 1: decay from the end of warmup (verl's cosine)"})
+    # the engine's sampling distribution against the trainer's
+    rollout_is: str | None = field(default=None, metadata={
+        "help": "token | sequence: weight each token's loss by pi_old / pi_rollout, the trainer's over the engine's "
+                "probability of the sampled tokens, truncated at --rollout_is_threshold (truncated importance "
+                "sampling, verl's algorithm.rollout_correction.rollout_is): corrects for the engine's numerics "
+                "and, with GRPO's --one_step_off_policy, for the update between the weights that sampled "
+                "and the trainer's. Asks the engine for the log-probs of every response. With --top_p or --top_k on, the "
+                "engine's are of the truncated distribution, so the weights sit below 1"})
+    rollout_is_threshold: float = field(default=2.0, metadata={"help": "rollout_is: the weights' upper bound"})
+    # memory
+    enable_gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations"})
+    param_offload: bool = field(default=False, metadata={"help": "actor params, grads and optimizer on CPU"})
+    optimizer_offload: bool = field(default=False, metadata={"help": "optimizer state on CPU between steps"})
+    ref_param_offload: bool = field(default=False, metadata={"help": "reference model params on CPU"})
+    use_remove_padding: bool = field(default=True, metadata={"help": "pack sequences instead of padding"})
+    # speed
+    use_torch_compile: bool | None = field(default=None, metadata={
+        "help": "torch.compile the log-prob and entropy math over the vocabulary, in every pass, its gradient "
+        "written by hand (default: on GPU)"})
+    compile_layers: bool | None = field(default=None, metadata={
+        "help": "torch.compile each decoder layer, in the passes without gradients (default: on GPU)"})
+    use_fused_kernels: bool = field(default=False, metadata={
+        "help": "the update's log-probs and entropy from the output layer chunk by chunk, never the whole "
+        "(tokens, vocabulary) logits: less memory for one more matmul of the output layer (verl's flag; here "
+        "for the passes with a gradient only)"})
+    compile_update: bool = field(default=False, metadata={
+        "help": "compile the decoder layers in the updates (the actor's, and PPO's critic's; forward and backward) "
+        "too, where --compile_layers compiles (--use_torch_compile already covers the actor's log-prob math): pays "
+        "off with large micro-batches (--use_dynamic_bsz, --ppo_max_token_len_per_gpu 49152 on an H200), costs "
+        "compiling in step 1 (about 30 s for GRPO's actor on a fresh H200, docs/benchmarks.md)"})
+    # reward
+    custom_reward_function_path: str | None = field(default=None, metadata={"help": "a .py file"})
+    custom_reward_function_name: str = field(default="compute_score", metadata={"help": "function in that file"})
+    reward_errors: str = field(default="raise", metadata={"help": "raise | zero: a failing reward call scores 0"})
+    # trainer
+    total_epochs: int = field(default=15, metadata={"help": "passes over the training prompts"})
+    total_training_steps: int | None = field(default=None, metadata={"help": "overrides total_epochs"})
+    save_freq: int = field(default=-1, metadata={"help": "checkpoint every N steps, the last, on a stop (-1: never)"})
+    test_freq: int = field(default=10, metadata={"help": "validate every N steps (-1: never)"})
+    val_before_train: bool = field(default=True, metadata={"help": "validate before the first step"})
+    val_only: bool = field(default=False, metadata={"help": "only evaluate --model (or the checkpoint) and exit"})
+    val_n: int = field(default=1, metadata={"help": "val_only: samples per prompt for pass@k (T=val_temperature)"})
+    val_temperature: float = field(default=1.0, metadata={"help": "val_only: temperature of the pass@k samples"})
+    max_val_samples: int | None = field(default=None, metadata={"help": "validate on the first N prompts"})
+    resume_mode: str = field(default="auto", metadata={"help": "auto | disable | a global_step_N folder"})
+    default_local_dir: str | None = field(default=None, metadata={"help": "default checkpoints/PROJECT/EXPERIMENT"})
+    keep_last_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept on disk"})
+    export_final: bool = field(default=True, metadata={"help": "write the final policy as a HF folder"})
+    rollout_data_dir: str | None = field(default=None, metadata={
+        "help": "write the responses each step trains on (text, score) to DIR/STEP.jsonl"})
+    validation_data_dir: str | None = field(default=None, metadata={
+        "help": "write each validation's responses to DIR/STEP.jsonl (DIR/STEP_nN.jsonl for --val_n N)"})
+    logger: str = field(default="console,jsonl", metadata={"help": "comma list of console, jsonl, wandb, tensorboard"})
+    project_name: str = field(default="grpo_gsm8k", metadata={"help": "for wandb / tensorboard / folders"})
+    experiment_name: str = field(default="qwen2.5_0.5b", metadata={"help": "for wandb / tensorboard / folders"})
+    seed: int = field(default=1, metadata={"help": "model init and data order; sampling uses seed + group"})
+
+
+def need(ok, msg):
+    """Stop at start-up, naming the script and the flag, when `ok` is false."""
+    if not ok:
+        raise SystemExit(f"{os.path.basename(sys.argv[0])}: {msg}")
+
+
+def check_args(args, world_size, token_budgets=("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu")):
+    """Fail at start-up on the shared flags, naming them, before anything heavy loads; then fill the derived
+    defaults. A train script's check_args calls this, then checks its own flags."""
+    for flag in ("rollout_data_dir", "validation_data_dir"):
+        path = getattr(args, flag)
+        need(not path or not os.path.exists(path) or os.path.isdir(path),
+             f"--{flag} {path} is a file, not a folder: give a folder for the .jsonl files, or leave the flag out")
+    need(args.train_batch_size % world_size == 0,
+         f"--train_batch_size {args.train_batch_size} must be divisible by the number of GPUs {world_size}")
+    need(args.max_num_seqs >= 1, f"--max_num_seqs {args.max_num_seqs} must be at least 1")
+    need(world_size % args.tensor_model_parallel_size == 0,
+         f"--tensor_model_parallel_size {args.tensor_model_parallel_size} must divide the number of GPUs {world_size}")
+    longest = args.max_prompt_length + args.max_response_length
+    for flag in token_budgets:
+        need(not args.use_dynamic_bsz or getattr(args, flag) >= longest,
+             f"--{flag} {getattr(args, flag)} must hold the longest sequence, --max_prompt_length + "
+             f"--max_response_length = {longest}")
+    need(not args.compile_update or args.compile_layers is not False,
+         "--compile_update compiles the update's decoder layers, which --compile_layers false leaves eager; drop one")
+    need(args.truncation in ("error", "left", "right"), "--truncation must be error, left or right")
+    need(args.lr_scheduler_type in ("constant", "cosine"), "--lr_scheduler_type must be constant or cosine")
+    need(0 <= args.min_lr_ratio <= 1, f"--min_lr_ratio {args.min_lr_ratio} must be in [0, 1]")
+    need(0 < args.lr_decay_steps_ratio <= 1, f"--lr_decay_steps_ratio {args.lr_decay_steps_ratio} must be in (0, 1]")
+    need((args.min_lr_ratio == 0 and args.lr_decay_steps_ratio == 1) or args.lr_scheduler_type == "cosine",
+         "--min_lr_ratio and --lr_decay_steps_ratio shape the cosine schedule: add --lr_scheduler_type cosine")
+    need(args.reward_errors in ("raise", "zero"), "--reward_errors must be raise or zero")
+    need(args.rollout_engine in ("vllm", "hf"), "--rollout_engine must be vllm or hf")
+    need(args.rollout_is in (None, "token", "sequence"),
+         f"--rollout_is {args.rollout_is!r} must be token or sequence (or left out: no correction)")
+    need(args.rollout_is_threshold >= 1, f"--rollout_is_threshold {args.rollout_is_threshold} must be at least 1: "
+         "below it the weights of tokens both engine and trainer agree on would be cut")
+    need(args.engines_per_gpu >= 1, f"--engines_per_gpu {args.engines_per_gpu} must be at least 1")
+    need(args.engines_per_gpu == 1 or (args.rollout_engine == "vllm" and args.tensor_model_parallel_size == 1),
+         "--engines_per_gpu above 1 needs --rollout_engine vllm and --tensor_model_parallel_size 1")
+    need(args.resume_mode in ("auto", "disable") or os.path.isdir(args.resume_mode),
+         f"--resume_mode must be auto, disable or an existing global_step_N folder, got {args.resume_mode!r}")
+    for kind in (k.strip() for k in args.logger.strip("[]").split(",") if k.strip()):
+        need(kind in ("console", "jsonl", "wandb", "tensorboard"),
+             f"--logger {kind!r}: choose from console, jsonl, wandb, tensorboard")
+        module = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(kind)
+        need(module is None or importlib.util.find_spec(module) is not None,
+             f"--logger {kind} needs the {module} package: pip install {module}")
+    args.optimizer_offload &= not args.param_offload  # param_offload already steps the optimizer on the CPU
+    args.default_local_dir = args.default_local_dir or os.path.join("checkpoints", args.project_name,
+                                                                    args.experiment_name)
+
+
+def init_distributed():
+    """torchrun sets RANK/WORLD_SIZE; a plain `python train_*.py` runs as a world of one."""
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda"
+                            else None)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def lr_lambda(args, total_steps):
+    """The actor's rate at each update step, as a fraction of --actor_lr: a linear warmup, then constant or
+    a cosine down to --min_lr_ratio over the last --lr_decay_steps_ratio of the steps (held before it)."""
+    warmup = args.lr_warmup_steps if args.lr_warmup_steps >= 0 else int(args.lr_warmup_steps_ratio * total_steps)
+    decay_from = max(warmup, total_steps - round(args.lr_decay_steps_ratio * total_steps))
+    low = args.min_lr_ratio
+
+    def f(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        if args.lr_scheduler_type == "cosine" and step >= decay_from:
+            progress = (step - decay_from) / max(1, total_steps - decay_from)
+            return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+    return f
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Timer:
+    """`with timer("gen"):` adds the seconds spent inside to metrics["timing_s/gen"] (nestable), and on a
+    GPU the phase's peak memory to metrics["perf/max_memory_allocated_gb/gen"] (innermost phases only).
+
+    torch counts a sleeping engine's pool as allocated though the engine has released its memory, so a
+    phase that starts and ends with the engine asleep subtracts it: the peak is what the GPU held."""
+
+    def __init__(self, metrics, device, engine=None):
+        self.metrics, self.device, self.engine = metrics, device, engine
+        self.inner_done = False  # a phase nested in the current one has recorded its peak
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        sync(self.device)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        unbacked = self.engine.unbacked_bytes() if self.engine is not None else 0
+        self.inner_done = False
+        t0 = time.perf_counter()
+        yield
+        sync(self.device)
+        key = f"timing_s/{name}"
+        self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - t0
+        if self.engine is not None and self.engine.unbacked_bytes() != unbacked:
+            unbacked = 0  # the engine woke or slept inside the phase: its peak may include the pool
+        if cuda and not self.inner_done:  # an outer phase's peak was reset by its inner phases
+            key = f"perf/max_memory_allocated_gb/{name}"
+            peak = (torch.cuda.max_memory_allocated() - unbacked) / 2**30
+            self.metrics[key] = max(self.metrics.get(key, 0.0), peak)
+        self.inner_done = True
+
+
+class Logger:
+    """Rank 0 only: console line per step (verl's format), jsonl, wandb, tensorboard."""
+
+    def __init__(self, args, out_dir):
+        self.kinds = {k.strip() for k in args.logger.strip("[]").split(",") if k.strip()}
+        self.on = sharding.rank() == 0
+        self.path, self.wandb, self.tb = os.path.join(out_dir, "metrics.jsonl"), None, None
+        if not self.on:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        if "wandb" in self.kinds:
+            import wandb
+            self.wandb = wandb.init(project=args.project_name, name=args.experiment_name, config=asdict(args))
+        if "tensorboard" in self.kinds:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+
+    def truncate(self, step):
+        """Drop log lines after `step`: a resumed (or restarted) run rewrites what follows."""
+        if self.on and os.path.exists(self.path):
+            with open(self.path) as f:
+                lines = [line for line in f if json.loads(line)["step"] <= step]
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(lines)
+            os.replace(self.path + ".tmp", self.path)
+
+    def log(self, metrics, step):
+        if not self.on:
+            return
+        if "console" in self.kinds:
+            tqdm.write(f"step:{step} - " + " - ".join(f"{k}:{v:.4g}" if isinstance(v, float) else f"{k}:{v}"
+                                                      for k, v in sorted(metrics.items())))
+        if "jsonl" in self.kinds:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+        if self.tb:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+
+    def close(self):
+        """Finish the wandb run and write tensorboard's pending events: a finished run ends without the
+        interpreter's exit hooks (the end of this file)."""
+        if self.wandb:
+            self.wandb.finish()
+        if self.tb:
+            self.tb.close()
+
+
+def flops_per_token(config, seq_len):
+    """Forward FLOPs per token: 2 x the parameters a token is multiplied through (the lm_head once,
+    the embedding lookup never, so tied and untied models count alike) + attention scores and
+    values, 2 * 2 * layers * seq_len * heads * head_dim, halved for causal masking."""
+    h, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+    return 2 * (L * per_layer + V * h) + 2 * L * seq_len * q
+
+
+def phase_perf(t, config, seq_len, tokens, response_tokens, peak_flops, epochs, push_bytes):
+    """Achieved TFLOP/s and MFU of the phases that ran (`t`: their timing_s/*): a log-prob phase is
+    one forward over `tokens`, the actor update three (forward + backward) per epoch; the lm_head
+    counts only at the `response_tokens` positions where it is applied. Weight sync in GB/s."""
+    lm_head = 2 * config.vocab_size * config.hidden_size
+    forward = tokens * (flops_per_token(config, seq_len) - lm_head) + response_tokens * lm_head
+    out = {"perf/peak_tflops": peak_flops / 1e12}
+    for phase, name, passes in (("old_log_prob", "old_log_prob", 1), ("ref", "ref", 1),
+                                ("update_actor", "actor", 3 * epochs)):
+        if f"timing_s/{phase}" in t:
+            rate = passes * forward / t[f"timing_s/{phase}"]
+            out |= {f"perf/tflops/{name}": rate / 1e12, f"perf/mfu/{name}": rate / peak_flops}
+    if "timing_s/update_weights" in t:
+        out["perf/weight_sync_gb_s"] = push_bytes / t["timing_s/update_weights"] / 1e9
+    return out
+
+
+def seconds_since_launch():
+    """Wall-clock seconds since this process started (Linux: /proc; elsewhere: since this script was
+    imported, which misses the imports of torch and transformers)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.time() - IMPORTED
+
+
+def measure_peak_flops(device):
+    """Measured dense matmul rate (FLOP/s) of this device: the MFU denominator."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    t, iters = time.perf_counter(), 20
+    for _ in range(iters):
+        a @ b
+    sync(device)
+    return 2 * n**3 * iters / (time.perf_counter() - t)
+
+
+# --- a run: start-up, resume, the engine, the end of each step, the end ---------------------------
+
+
+class Run:
+    """What a run holds beside the script's models: the process group and device, the reward function,
+    tokenizer and data, the number of steps, the engine, the logger, the SIGTERM watch and the progress bar.
+    `start` makes one; the script calls its methods in the order of the module's docstring."""
+
+    def __init__(self, args, rank, world, device, reward_fn, tokenizer, train, val, total_steps):
+        self.args, self.rank, self.world, self.device = args, rank, world, device
+        self.reward_fn, self.tokenizer, self.train, self.val, self.total_steps = reward_fn, tokenizer, train, val, \
+            total_steps
+        self.step, self.models, self.optimizers, self.schedulers = 0, {}, {}, {}
+        self.engine, self.logger, self.stop, self.bar, self.stopping = None, None, None, None, False
+
+    def resume(self, models, optimizers, schedulers):
+        """Load the checkpoint --resume_mode names (auto: the newest under --default_local_dir) into the models,
+        optimizers and schedulers (dicts by role: "actor", "critic"), kept for the checkpoints to come. Returns
+        its trainer state ({} when starting afresh), or None when that run has already finished its steps."""
+        args = self.args
+        self.models, self.optimizers, self.schedulers = models, optimizers, schedulers
+        resume = sharding.latest_checkpoint(args.default_local_dir) if args.resume_mode == "auto" else (
+            None if args.resume_mode == "disable" else args.resume_mode)
+        state = {}
+        if resume:
+            state = sharding.load_checkpoint(resume, models, optimizers, schedulers)
+            self.step = state["global_step"]
+            if self.rank == 0:
+                print(f"resumed from {resume} (step {self.step})", flush=True)
+        if self.step >= self.total_steps and not args.val_only:
+            if self.rank == 0:
+                print(f"{os.path.basename(sys.argv[0])}: {resume} already finished {self.step} of {self.total_steps} "
+                      "steps; nothing to do. Raise --total_training_steps / --total_epochs to train on, or use "
+                      "--resume_mode disable to start over.")
+            return None
+        return state
+
+    def make_engine(self):
+        """The rollout engine (--rollout_engine, --engines_per_gpu), with dummy weights until `engine_ready`.
+        Sets `compile_ahead`: a pool's engines start in their own processes, so the script compiles its passes
+        meanwhile (sharding.compile_ahead) where the speed flags compile."""
+        args, device = self.args, self.device
+        self.models_loaded = seconds_since_launch()
+        engine = make_engine(args.rollout_engine, args.model, engines_per_gpu=args.engines_per_gpu,
+                             tensor_parallel_size=args.tensor_model_parallel_size,
+                             gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+                             torch_compile=args.rollout_compile, seed=args.seed,
+                             max_model_len=args.max_prompt_length + args.max_response_length,
+                             dtype="bfloat16" if device.type == "cuda" else "float32",
+                             enforce_eager=device.type != "cuda", load_format="dummy")
+        self.compile_ahead = not engine.in_process and not args.val_only and (
+            sharding.gpu_default(args.compile_layers, device) or sharding.gpu_default(args.use_torch_compile, device))
+        return engine
+
+    def engine_ready(self, engine, actor):
+        """Push the actor's weights into the engine, open the logs (a resumed run drops the rows after its
+        checkpoint) and, at step 0 with --val_before_train, validate the starting policy."""
+        args, device = self.args, self.device
+        compiled = seconds_since_launch()
+        push_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        engine.update_weights(sharding.iter_full_tensors(actor, dtype=push_dtype, device=device))
+        if self.rank == 0:  # where the time to the first step goes (docs/benchmarks.md, "The first step")
+            print(f"models loaded {self.models_loaded:.1f} s after launch, "
+                  + (f"passes compiled ahead at {compiled:.1f} s, " if self.compile_ahead else "")
+                  + f"engine ready at {seconds_since_launch():.1f} s", flush=True)
+        self.engine = engine
+        self.logger = Logger(args, args.default_local_dir)
+        self.logger.truncate(self.step - 1 if self.step == 0 else self.step)
+        if args.val_only:
+            return
+        if args.val_before_train and self.val is not None and self.step == 0:
+            self.logger.log(self.validate(), self.step)
+        self.peak_flops = measure_peak_flops(device) * self.world
+        self.push_bytes = sum(p.numel() for p in actor.parameters()) * push_dtype.itemsize
+        self.config = actor.config
+        self.stop = sharding.StopRequest()  # a SIGTERM checkpoints the step in progress and stops
+        self.bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="steps")
+
+    def validate(self, step=None, **kw):
+        return validate(self.engine, self.val, self.args, self.tokenizer, self.reward_fn,
+                        self.step if step is None else step, **kw)
+
+    def validate_only(self):
+        """--val_only: greedy mean@1 of the loaded policy and, with --val_n, sampled pass@k; logged as step N."""
+        metrics = self.validate()
+        if self.args.val_n > 1:
+            metrics |= self.validate(n=self.args.val_n, temperature=self.args.val_temperature)
+        self.logger.log(metrics, self.step)
+        self.logger.close()
+        return metrics
+
+    def end_step(self, step, metrics, timer, batch, old_log_probs, source, trainer_state=None):
+        """Phase 7: the step's shared metrics (the batch's, timings, memory, MFU), then validate every
+        --test_freq steps, checkpoint every --save_freq steps (and at the last, and on a SIGTERM), log.
+        `trainer_state` is what the script's checkpoint keeps beside the data's position. Returns whether the
+        run stops here (a SIGTERM: the step is checkpointed and not validated)."""
+        args, t, device = self.args, timer.metrics, self.device
+        lengths = [len(s.token_ids) for g in batch.groups for s in g["samples"]]
+        tokens = sum(len(g["example"].prompt_ids) * len(g["samples"]) for g in batch.groups) + sum(lengths)
+        # the generation's own rate: beside the training with one-step off-policy generation
+        metrics |= batch_metrics(batch, old_log_probs, batch.seconds if source.overlap else t["timing_s/gen"]) | {
+            "perf/throughput": tokens / t["timing_s/step"] / self.world,
+            "perf/max_memory_allocated_gb": max([v for k, v in t.items() if k.startswith("perf/max_memory")],
+                                                default=0.0),
+            "training/global_step": step, "training/epoch": batch.epoch,
+            "timing_s/since_launch": seconds_since_launch(),
+        } | t | phase_perf(t, self.config, tokens / len(lengths), tokens, sum(lengths), self.peak_flops,
+                           args.ppo_epochs, self.push_bytes)
+        if source.overlap:  # the generation's own time, beside the previous step's training
+            metrics["timing_s/gen_background"] = batch.seconds
+        last_step = step == self.total_steps
+        stopping = not last_step and self.stop.agreed(device)  # checkpointed at once, not validated
+        if self.val is not None and args.test_freq > 0 and (step % args.test_freq == 0 or last_step) and not stopping:
+            source.settle(metrics, Timer(metrics, device))  # the engine idle, with this step's weights
+            with Timer(metrics, device)("testing"):
+                metrics |= self.validate(step)
+            stopping = not last_step and self.stop.agreed(device)  # a SIGTERM during validation: this step, too
+        if args.save_freq > 0 and (step % args.save_freq == 0 or last_step or stopping):
+            with Timer(metrics, device)("save_checkpoint"):
+                sharding.save_checkpoint(args.default_local_dir, step, self.models, self.optimizers, self.schedulers,
+                                         source.position() | (trainer_state or {}),
+                                         keep_last=args.keep_last_checkpoints)
+            # one during the checkpoint: the run stops now, the checkpoint holds this step
+            stopping = stopping or (not last_step and self.stop.agreed(device))
+        self.logger.log(metrics, step)
+        self.bar.update(1)
+        self.stopping = stopping
+        return stopping
+
+    def finish(self, step, metrics, actor, source):
+        """After the loop: the last batch in flight ended, then either the stop's message (a SIGTERM) or the
+        final policy exported as a Hugging Face folder (--export_final); the logs closed."""
+        args = self.args
+        self.bar.close()
+        source.close()
+        if self.stopping:
+            if self.rank == 0:
+                how = (f"checkpointed in {args.default_local_dir}; the same command with --resume_mode auto continues "
+                       "from there" if args.save_freq > 0 else
+                       f"not checkpointed (--save_freq {args.save_freq}: never)")
+                print(f"stopped by SIGTERM after step {step} of {self.total_steps}, {how}", flush=True)
+        elif args.export_final:
+            path = sharding.export_hf(os.path.join(args.default_local_dir, "hf_model"), actor, self.tokenizer)
+            if self.rank == 0:
+                print(f"done: {step} steps; metrics {self.logger.path}; checkpoints {args.default_local_dir}; "
+                      f"final policy (Hugging Face format) {path}", flush=True)
+        self.logger.close()
+        return metrics
+
+
+def start(args, check_args, gen_batch_size=0):
+    """Start a run: the process group, the flags checked (the script's `check_args`), the reward function,
+    seeds, tokenizer, data and the number of steps. Refuses a fresh run (--resume_mode disable) in a folder
+    that holds another run's checkpoints. `gen_batch_size`: prompts a generation round takes, when more than
+    a step's (DAPO)."""
+    rank, world, device = init_distributed()
+    check_args(args, world)
+    if args.resume_mode == "disable" and sharding.list_checkpoints(args.default_local_dir):
+        # a fresh run there would interleave its checkpoints with the old ones (and prune its own)
+        need(False, f"{args.default_local_dir} holds checkpoints of an earlier run; continue it with --resume_mode "
+             "auto, or choose another --default_local_dir / --experiment_name, or delete them")
+    reward_fn = reward.load_reward_function(args.custom_reward_function_path, args.custom_reward_function_name)
+    if sharding.gpu_default(args.use_torch_compile, device):
+        sharding.compile_logits_math()
+    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)  # same init on every rank
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    data_kw = dict(tokenizer=tokenizer, max_prompt_length=args.max_prompt_length,
+                   filter_overlong_prompts=args.filter_overlong_prompts, truncation=args.truncation)
+    val = load_rl_dataset(args.val_files.split(","), **data_kw) if args.test_freq > 0 or args.val_only else None
+    train = None if args.val_only else load_rl_dataset(args.train_files.split(","), **data_kw)
+    G = gen_batch_size or args.train_batch_size  # prompts per generation round
+    if train is not None and len(train) < max(args.train_batch_size, G):
+        flag = "--gen_batch_size" if G > args.train_batch_size else "--train_batch_size"
+        need(False, f"{args.train_files} holds {len(train)} usable prompts, fewer than {flag} "
+             f"{max(args.train_batch_size, G)}")
+    steps_per_epoch = len(train) // args.train_batch_size if train else 0
+    total_steps = args.total_training_steps or steps_per_epoch * args.total_epochs
+    return Run(args, rank, world, device, reward_fn, tokenizer, train, val, total_steps)
+
+
+def launch(main, Args):
+    """The command line: parse the flags into the script's Args, run `main`, end the process."""
+    (parsed,) = HfArgumentParser(Args).parse_args_into_dataclasses()
+    try:
+        main(parsed)
+    finally:
+        # vLLM tears the process group down itself when its engine is collected; only then is it
+        # safe (and needed) to destroy it here.
+        if dist.is_initialized():
+            dist.barrier()
+    # A finished run has written everything (metrics, checkpoints, the export) and closed its loggers. It
+    # ends without the interpreter's teardown, which shuts vLLM's engine down and collects what it held:
+    # 4-6 s per process on CPU, for nothing. An EnginePool's engines exit when their pipes close.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
