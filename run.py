@@ -40,110 +40,122 @@ from rollout import make_engine
 IMPORTED = time.time()
 
 
+def flag(default, help):
+    """A field of an Args dataclass: the flag's default and its --help text."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class RunArgs:
     """The flags every train script shares: model and data, the engine, micro-batches, the learning rate's
     schedule, memory, speed, reward and trainer. A script's Args adds its algorithm's flags and may
     re-declare a field here to change its default (its reference run's)."""
 
-    model: str = field(default="Qwen/Qwen2.5-0.5B-Instruct", metadata={"help": "hub id or local folder"})
-    train_files: str = field(default="~/data/gsm8k/train.parquet", metadata={"help": "parquet, comma-separated"})
-    val_files: str = field(default="~/data/gsm8k/test.parquet", metadata={"help": "parquet, comma-separated"})
-    train_batch_size: int = field(default=256, metadata={"help": "prompts per step (all ranks)"})
-    max_prompt_length: int = field(default=512, metadata={"help": "tokens, after the chat template"})
-    max_response_length: int = field(default=1024, metadata={"help": "tokens generated at most"})
-    filter_overlong_prompts: bool = field(default=False, metadata={"help": "drop prompts over max_prompt_length"})
-    truncation: str = field(default="error", metadata={"help": "overlong prompts when not filtered: error|left|right"})
+    model: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local folder")
+    train_files: str = flag("~/data/gsm8k/train.parquet", "parquet, comma-separated")
+    val_files: str = flag("~/data/gsm8k/test.parquet", "parquet, comma-separated")
+    train_batch_size: int = flag(256, "prompts per step (all ranks)")
+    max_prompt_length: int = flag(512, "tokens, after the chat template")
+    max_response_length: int = flag(1024, "tokens generated at most")
+    filter_overlong_prompts: bool = flag(False, "drop prompts over max_prompt_length")
+    truncation: str = flag("error", "overlong prompts when not filtered: error|left|right")
     # rollout
-    rollout_engine: str = field(default="vllm", metadata={"help": "vllm | hf (transformers generate)"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})
-    top_k: int = field(default=-1, metadata={"help": "-1 = off"})
-    tensor_model_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM replica"})
-    logprob_check_prompts: int = field(default=8, metadata={
-        "help": "prompts per GPU per step whose engine log-probs are checked (rollout/logprob_gap_mean); -1: all"})
-    gpu_memory_utilization: float = field(default=0.6, metadata={"help": "vLLM's share of GPU memory while awake"})
-    max_num_seqs: int = field(default=1024, metadata={
-        "help": "sequences vLLM decodes at once; the rest of a step's batch waits for free slots"})
-    engines_per_gpu: int = field(default=1, metadata={
-        "help": "vLLM engines per GPU, each in a process of its own decoding a share of the sequences: a small "
-        "model's generation is bound by vLLM's host work, which K processes share (docs/benchmarks.md)"})
-    rollout_compile: bool = field(default=False, metadata={
-        "help": "run vLLM's model through torch.compile (vLLM's default); off: CUDA graphs of vLLM's uncompiled "
+    rollout_engine: str = flag("vllm", "vllm | hf (transformers generate)")
+    temperature: float = flag(1.0, "sampling temperature")
+    top_p: float = flag(1.0, "nucleus sampling")
+    top_k: int = flag(-1, "-1 = off")
+    tensor_model_parallel_size: int = flag(1, "GPUs per vLLM replica")
+    logprob_check_prompts: int = flag(8, "prompts per GPU per step whose engine log-probs are checked (rollout/logprob_gap_mean); -1: all")
+    gpu_memory_utilization: float = flag(0.6, "vLLM's share of GPU memory while awake")
+    max_num_seqs: int = flag(1024, "sequences vLLM decodes at once; the rest of a step's batch waits for free slots")
+    engines_per_gpu: int = flag(
+        1,
+        "vLLM engines per GPU, each in a process of its own decoding a share of the sequences: a small "
+        "model's generation is bound by vLLM's host work, which K processes share (docs/benchmarks.md)",
+    )
+    rollout_compile: bool = flag(
+        False,
+        "run vLLM's model through torch.compile (vLLM's default); off: CUDA graphs of vLLM's uncompiled "
         "forward for every decoding batch, which on an H200 was ready 31 s sooner and generated faster "
-        "(docs/benchmarks.md)"})
+        "(docs/benchmarks.md)",
+    )
     # micro-batches (each pass's size; the optimizer's mini-batch is the algorithm's)
-    ppo_micro_batch_size_per_gpu: int = field(default=4, metadata={"help": "sequences per forward/backward"})
-    log_prob_micro_batch_size_per_gpu: int = field(default=8, metadata={"help": "sequences per log-prob forward"})
-    use_dynamic_bsz: bool = field(default=False, metadata={
-        "help": "micro-batches by token budget (the *_max_token_len_per_gpu flags) instead of sequence count"})
-    ppo_max_token_len_per_gpu: int = field(default=16384, metadata={"help": "tokens per forward/backward"})
-    log_prob_max_token_len_per_gpu: int = field(default=16384, metadata={"help": "tokens per log-prob forward"})
+    ppo_micro_batch_size_per_gpu: int = flag(4, "sequences per forward/backward")
+    log_prob_micro_batch_size_per_gpu: int = flag(8, "sequences per log-prob forward")
+    use_dynamic_bsz: bool = flag(False, "micro-batches by token budget (the *_max_token_len_per_gpu flags) instead of sequence count")
+    ppo_max_token_len_per_gpu: int = flag(16384, "tokens per forward/backward")
+    log_prob_max_token_len_per_gpu: int = flag(16384, "tokens per log-prob forward")
     # the learning rate's schedule
-    lr_warmup_steps: int = field(default=-1, metadata={"help": "-1: use lr_warmup_steps_ratio"})
-    lr_warmup_steps_ratio: float = field(default=0.0, metadata={"help": "warmup as a fraction of all steps"})
-    lr_scheduler_type: str = field(default="constant", metadata={"help": "constant | cosine (after warmup)"})
-    min_lr_ratio: float = field(default=0.0, metadata={
-        "help": "cosine: the rate it decays to, as a fraction of --actor_lr"})
-    lr_decay_steps_ratio: float = field(default=1.0, metadata={
-        "help": "cosine: decay over this last fraction of all steps and hold the rate before it (warmup-stable-"
-                "decay); 1: decay from the end of warmup (verl's cosine)"})
+    lr_warmup_steps: int = flag(-1, "-1: use lr_warmup_steps_ratio")
+    lr_warmup_steps_ratio: float = flag(0.0, "warmup as a fraction of all steps")
+    lr_scheduler_type: str = flag("constant", "constant | cosine (after warmup)")
+    min_lr_ratio: float = flag(0.0, "cosine: the rate it decays to, as a fraction of --actor_lr")
+    lr_decay_steps_ratio: float = flag(
+        1.0,
+        "cosine: decay over this last fraction of all steps and hold the rate before it (warmup-stable-"
+        "decay); 1: decay from the end of warmup (verl's cosine)",
+    )
     # the engine's sampling distribution against the trainer's
-    rollout_is: str | None = field(default=None, metadata={
-        "help": "token | sequence: weight each token's loss by pi_old / pi_rollout, the trainer's over the engine's "
-                "probability of the sampled tokens, truncated at --rollout_is_threshold (truncated importance "
-                "sampling, verl's algorithm.rollout_correction.rollout_is): corrects for the engine's numerics "
-                "and, with GRPO's --one_step_off_policy, for the update between the weights that sampled "
-                "and the trainer's. Asks the engine for the log-probs of every response. With --top_p or --top_k on, the "
-                "engine's are of the truncated distribution, so the weights sit below 1"})
-    rollout_is_threshold: float = field(default=2.0, metadata={"help": "rollout_is: the weights' upper bound"})
+    rollout_is: str | None = flag(
+        None,
+        "token | sequence: weight each token's loss by pi_old / pi_rollout, the trainer's over the engine's "
+        "probability of the sampled tokens, truncated at --rollout_is_threshold (truncated importance "
+        "sampling, verl's algorithm.rollout_correction.rollout_is): corrects for the engine's numerics "
+        "and, with GRPO's --one_step_off_policy, for the update between the weights that sampled "
+        "and the trainer's. Asks the engine for the log-probs of every response. With --top_p or --top_k on, the "
+        "engine's are of the truncated distribution, so the weights sit below 1",
+    )
+    rollout_is_threshold: float = flag(2.0, "rollout_is: the weights' upper bound")
     # memory
-    enable_gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations"})
-    param_offload: bool = field(default=False, metadata={"help": "actor params, grads and optimizer on CPU"})
-    optimizer_offload: bool = field(default=False, metadata={"help": "optimizer state on CPU between steps"})
-    ref_param_offload: bool = field(default=False, metadata={"help": "reference model params on CPU"})
-    use_remove_padding: bool = field(default=True, metadata={"help": "pack sequences instead of padding"})
+    enable_gradient_checkpointing: bool = flag(False, "recompute activations")
+    param_offload: bool = flag(False, "actor params, grads and optimizer on CPU")
+    optimizer_offload: bool = flag(False, "optimizer state on CPU between steps")
+    ref_param_offload: bool = flag(False, "reference model params on CPU")
+    use_remove_padding: bool = flag(True, "pack sequences instead of padding")
     # speed
-    use_torch_compile: bool | None = field(default=None, metadata={
-        "help": "torch.compile the log-prob and entropy math over the vocabulary, in every pass, its gradient "
-        "written by hand (default: on GPU)"})
-    compile_layers: bool | None = field(default=None, metadata={
-        "help": "torch.compile each decoder layer, in the passes without gradients (default: on GPU)"})
-    use_fused_kernels: bool = field(default=False, metadata={
-        "help": "the update's log-probs and entropy from the output layer chunk by chunk, never the whole "
+    use_torch_compile: bool | None = flag(
+        None,
+        "torch.compile the log-prob and entropy math over the vocabulary, in every pass, its gradient "
+        "written by hand (default: on GPU)",
+    )
+    compile_layers: bool | None = flag(None, "torch.compile each decoder layer, in the passes without gradients (default: on GPU)")
+    use_fused_kernels: bool = flag(
+        False,
+        "the update's log-probs and entropy from the output layer chunk by chunk, never the whole "
         "(tokens, vocabulary) logits: less memory for one more matmul of the output layer (verl's flag; here "
-        "for the passes with a gradient only)"})
-    compile_update: bool = field(default=False, metadata={
-        "help": "compile the decoder layers in the updates (the actor's, and PPO's critic's; forward and backward) "
+        "for the passes with a gradient only)",
+    )
+    compile_update: bool = flag(
+        False,
+        "compile the decoder layers in the updates (the actor's, and PPO's critic's; forward and backward) "
         "too, where --compile_layers compiles (--use_torch_compile already covers the actor's log-prob math): pays "
         "off with large micro-batches (--use_dynamic_bsz, --ppo_max_token_len_per_gpu 49152 on an H200), costs "
-        "compiling in step 1 (about 30 s for GRPO's actor on a fresh H200, docs/benchmarks.md)"})
+        "compiling in step 1 (about 30 s for GRPO's actor on a fresh H200, docs/benchmarks.md)",
+    )
     # reward
-    custom_reward_function_path: str | None = field(default=None, metadata={"help": "a .py file"})
-    custom_reward_function_name: str = field(default="compute_score", metadata={"help": "function in that file"})
-    reward_errors: str = field(default="raise", metadata={"help": "raise | zero: a failing reward call scores 0"})
+    custom_reward_function_path: str | None = flag(None, "a .py file")
+    custom_reward_function_name: str = flag("compute_score", "function in that file")
+    reward_errors: str = flag("raise", "raise | zero: a failing reward call scores 0")
     # trainer
-    total_epochs: int = field(default=15, metadata={"help": "passes over the training prompts"})
-    total_training_steps: int | None = field(default=None, metadata={"help": "overrides total_epochs"})
-    save_freq: int = field(default=-1, metadata={"help": "checkpoint every N steps, the last, on a stop (-1: never)"})
-    test_freq: int = field(default=10, metadata={"help": "validate every N steps (-1: never)"})
-    val_before_train: bool = field(default=True, metadata={"help": "validate before the first step"})
-    val_only: bool = field(default=False, metadata={"help": "only evaluate --model (or the checkpoint) and exit"})
-    val_n: int = field(default=1, metadata={"help": "val_only: samples per prompt for pass@k (T=val_temperature)"})
-    val_temperature: float = field(default=1.0, metadata={"help": "val_only: temperature of the pass@k samples"})
-    max_val_samples: int | None = field(default=None, metadata={"help": "validate on the first N prompts"})
-    resume_mode: str = field(default="auto", metadata={"help": "auto | disable | a global_step_N folder"})
-    default_local_dir: str | None = field(default=None, metadata={"help": "default checkpoints/PROJECT/EXPERIMENT"})
-    keep_last_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept on disk"})
-    export_final: bool = field(default=True, metadata={"help": "write the final policy as a HF folder"})
-    rollout_data_dir: str | None = field(default=None, metadata={
-        "help": "write the responses each step trains on (text, score) to DIR/STEP.jsonl"})
-    validation_data_dir: str | None = field(default=None, metadata={
-        "help": "write each validation's responses to DIR/STEP.jsonl (DIR/STEP_nN.jsonl for --val_n N)"})
-    logger: str = field(default="console,jsonl", metadata={"help": "comma list of console, jsonl, wandb, tensorboard"})
-    project_name: str = field(default="grpo_gsm8k", metadata={"help": "for wandb / tensorboard / folders"})
-    experiment_name: str = field(default="qwen2.5_0.5b", metadata={"help": "for wandb / tensorboard / folders"})
-    seed: int = field(default=1, metadata={"help": "model init and data order; sampling uses seed + group"})
+    total_epochs: int = flag(15, "passes over the training prompts")
+    total_training_steps: int | None = flag(None, "overrides total_epochs")
+    save_freq: int = flag(-1, "checkpoint every N steps, the last, on a stop (-1: never)")
+    test_freq: int = flag(10, "validate every N steps (-1: never)")
+    val_before_train: bool = flag(True, "validate before the first step")
+    val_only: bool = flag(False, "only evaluate --model (or the checkpoint) and exit")
+    val_n: int = flag(1, "val_only: samples per prompt for pass@k (T=val_temperature)")
+    val_temperature: float = flag(1.0, "val_only: temperature of the pass@k samples")
+    max_val_samples: int | None = flag(None, "validate on the first N prompts")
+    resume_mode: str = flag("auto", "auto | disable | a global_step_N folder")
+    default_local_dir: str | None = flag(None, "default checkpoints/PROJECT/EXPERIMENT")
+    keep_last_checkpoints: int = flag(2, "checkpoints kept on disk")
+    export_final: bool = flag(True, "write the final policy as a HF folder")
+    rollout_data_dir: str | None = flag(None, "write the responses each step trains on (text, score) to DIR/STEP.jsonl")
+    validation_data_dir: str | None = flag(None, "write each validation's responses to DIR/STEP.jsonl (DIR/STEP_nN.jsonl for --val_n N)")
+    logger: str = flag("console,jsonl", "comma list of console, jsonl, wandb, tensorboard")
+    project_name: str = flag("grpo_gsm8k", "for wandb / tensorboard / folders")
+    experiment_name: str = flag("qwen2.5_0.5b", "for wandb / tensorboard / folders")
+    seed: int = flag(1, "model init and data order; sampling uses seed + group")
 
 
 def need(ok, msg):

@@ -16,7 +16,7 @@ Run: torchrun --nproc_per_node=8 train_grpo.py --model Qwen/Qwen2.5-0.5B-Instruc
 Shapes: B prompts, n samples per prompt, N = B*n sequences, T response tokens, V vocabulary.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ import torch.distributed as dist
 import batches
 import run
 import sharding
+from run import flag
 
 
 @dataclass
@@ -32,47 +33,55 @@ class Args(run.RunArgs):
     """GRPO's flags, verl's names; the model, data, engine, memory, speed and trainer flags are run.RunArgs'."""
 
     # the group
-    rollout_n: int = field(default=5, metadata={"help": "responses per prompt (the group size)"})
+    rollout_n: int = flag(5, "responses per prompt (the group size)")
     # the update: PPO's clipped surrogate, the loss aggregation, the KL to the reference
-    ppo_mini_batch_size: int = field(default=64, metadata={"help": "prompts per optimizer step (x rollout_n inside)"})
-    ppo_epochs: int = field(default=1, metadata={"help": "passes over each batch"})
-    actor_lr: float = field(default=1e-6, metadata={"help": "AdamW learning rate"})
-    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
-    grad_clip: float = field(default=1.0, metadata={"help": "max global gradient norm"})
-    clip_ratio_low: float = field(default=0.2, metadata={"help": "ratio clipped below at 1 - this"})
-    clip_ratio_high: float = field(default=0.2, metadata={"help": "ratio clipped above at 1 + this (DAPO: 0.28)"})
-    clip_ratio_c: float = field(default=3.0, metadata={"help": "dual-clip bound for negative advantages"})
-    loss_agg_mode: str = field(default="token-mean", metadata={
-        "help": "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm"})
-    norm_adv_by_std_in_grpo: bool = field(default=True, metadata={"help": "false = Dr.GRPO"})
-    entropy_coeff: float = field(default=0.0, metadata={"help": "entropy bonus"})
-    use_kl_loss: bool = field(default=True, metadata={"help": "KL to the reference model in the loss"})
-    kl_loss_coef: float | None = field(default=None, metadata={"help": "default 0.001 when use_kl_loss"})
-    kl_loss_type: str = field(default="low_var_kl", metadata={"help": "k1 | k2 | k3 | low_var_kl | abs | mse"})
-    use_kl_in_reward: bool = field(default=False, metadata={"help": "subtract kl_coef * KL from the reward"})
-    kl_coef: float | None = field(default=None, metadata={"help": "default 0.001 when use_kl_in_reward"})
+    ppo_mini_batch_size: int = flag(64, "prompts per optimizer step (x rollout_n inside)")
+    ppo_epochs: int = flag(1, "passes over each batch")
+    actor_lr: float = flag(1e-6, "AdamW learning rate")
+    weight_decay: float = flag(0.01, "AdamW weight decay")
+    grad_clip: float = flag(1.0, "max global gradient norm")
+    clip_ratio_low: float = flag(0.2, "ratio clipped below at 1 - this")
+    clip_ratio_high: float = flag(0.2, "ratio clipped above at 1 + this (DAPO: 0.28)")
+    clip_ratio_c: float = flag(3.0, "dual-clip bound for negative advantages")
+    loss_agg_mode: str = flag("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm")
+    norm_adv_by_std_in_grpo: bool = flag(True, "false = Dr.GRPO")
+    entropy_coeff: float = flag(0.0, "entropy bonus")
+    use_kl_loss: bool = flag(True, "KL to the reference model in the loss")
+    kl_loss_coef: float | None = flag(None, "default 0.001 when use_kl_loss")
+    kl_loss_type: str = flag("low_var_kl", "k1 | k2 | k3 | low_var_kl | abs | mse")
+    use_kl_in_reward: bool = flag(False, "subtract kl_coef * KL from the reward")
+    kl_coef: float | None = flag(None, "default 0.001 when use_kl_in_reward")
     # a step's batch: DAPO's dynamic sampling, GRESO's skip, one-step off-policy generation (batches.py)
-    filter_groups: bool = field(default=False, metadata={"help": "DAPO dynamic sampling: drop all-equal groups"})
-    max_num_gen_batches: int = field(default=10, metadata={
-        "help": "filter_groups: generation rounds per step at most; 0: no limit (verl's meaning)"})
-    gen_batch_size: int = field(default=0, metadata={
-        "help": "filter_groups: prompts a generation round takes at most (DAPO: 3 x train_batch_size); "
-                "0: train_batch_size"})
-    filter_groups_from_step: int = field(default=1, metadata={
-        "help": "filter_groups: the first step that filters; the steps before it train on one batch as generated "
-                "(while the reward is still 0 almost everywhere, too few groups vary to fill a batch)"})
-    skip_all_equal: bool = field(default=False, metadata={
-        "help": "filter_groups: GRESO's selective rollout: on filtering steps, skip before generating a prompt "
-                "whose latest group scored all-equal (the filter would likely drop its group again)"})
-    skip_explore_prob: float = field(default=0.5, metadata={
-        "help": "skip_all_equal: a prompt whose last z groups in a row scored all-equal is generated anyway "
-                "with probability P**z"})
-    one_step_off_policy: bool = field(default=False, metadata={
-        "help": "generate the next step's batch in a second thread while this step trains, with the weights from "
-                "before this step's update (one-step off-policy, as verl's recipe of that name). The engine stays "
-                "awake: give it less memory (--gpu_memory_utilization 0.3 on an H200). Measured on one H200 with a "
-                "0.5B model: steps 7-13% shorter (the two share the GPU and the Python interpreter, so each ran "
-                "slower), and in one learning run lower accuracy by step and by minute (docs/benchmarks.md)"})
+    filter_groups: bool = flag(False, "DAPO dynamic sampling: drop all-equal groups")
+    max_num_gen_batches: int = flag(10, "filter_groups: generation rounds per step at most; 0: no limit (verl's meaning)")
+    gen_batch_size: int = flag(
+        0,
+        "filter_groups: prompts a generation round takes at most (DAPO: 3 x train_batch_size); "
+        "0: train_batch_size",
+    )
+    filter_groups_from_step: int = flag(
+        1,
+        "filter_groups: the first step that filters; the steps before it train on one batch as generated "
+        "(while the reward is still 0 almost everywhere, too few groups vary to fill a batch)",
+    )
+    skip_all_equal: bool = flag(
+        False,
+        "filter_groups: GRESO's selective rollout: on filtering steps, skip before generating a prompt "
+        "whose latest group scored all-equal (the filter would likely drop its group again)",
+    )
+    skip_explore_prob: float = flag(
+        0.5,
+        "skip_all_equal: a prompt whose last z groups in a row scored all-equal is generated anyway "
+        "with probability P**z",
+    )
+    one_step_off_policy: bool = flag(
+        False,
+        "generate the next step's batch in a second thread while this step trains, with the weights from "
+        "before this step's update (one-step off-policy, as verl's recipe of that name). The engine stays "
+        "awake: give it less memory (--gpu_memory_utilization 0.3 on an H200). Measured on one H200 with a "
+        "0.5B model: steps 7-13% shorter (the two share the GPU and the Python interpreter, so each ran "
+        "slower), and in one learning run lower accuracy by step and by minute (docs/benchmarks.md)",
+    )
 
 
 # --- math: pure tensor functions, no globals, no I/O ---------------------------------------------

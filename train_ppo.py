@@ -15,7 +15,7 @@ Run: torchrun --nproc_per_node=8 train_ppo.py --model Qwen/Qwen2.5-0.5B-Instruct
 Shapes: B prompts, n samples per prompt, N = B*n sequences, T response tokens, V vocabulary.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ import torch.distributed as dist
 import batches
 import run
 import sharding
+from run import flag
 
 
 @dataclass
@@ -31,54 +32,53 @@ class Args(run.RunArgs):
     """PPO's flags, verl's names; the model, data, engine, memory, speed and trainer flags are run.RunArgs'."""
 
     # the samples
-    rollout_n: int = field(default=1, metadata={"help": "responses per prompt"})
+    rollout_n: int = flag(1, "responses per prompt")
     # the actor's update: PPO's clipped surrogate, the loss aggregation, the KL to the reference
-    ppo_mini_batch_size: int = field(default=64, metadata={"help": "prompts per optimizer step (x rollout_n inside)"})
-    ppo_epochs: int = field(default=1, metadata={"help": "passes over each batch"})
-    actor_lr: float = field(default=1e-6, metadata={"help": "AdamW learning rate"})
-    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
-    grad_clip: float = field(default=1.0, metadata={"help": "max global gradient norm"})
-    clip_ratio_low: float = field(default=0.2, metadata={"help": "ratio clipped below at 1 - this"})
-    clip_ratio_high: float = field(default=0.2, metadata={"help": "ratio clipped above at 1 + this (DAPO: 0.28)"})
-    clip_ratio_c: float = field(default=3.0, metadata={"help": "dual-clip bound for negative advantages"})
-    loss_agg_mode: str = field(default="token-mean", metadata={
-        "help": "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm"})
-    entropy_coeff: float = field(default=0.0, metadata={"help": "entropy bonus"})
-    use_kl_loss: bool = field(default=False, metadata={"help": "KL to the reference model in the loss"})
-    kl_loss_coef: float | None = field(default=None, metadata={"help": "default 0.001 when use_kl_loss"})
-    kl_loss_type: str = field(default="low_var_kl", metadata={"help": "k1 | k2 | k3 | low_var_kl | abs | mse"})
-    use_kl_in_reward: bool = field(default=True, metadata={"help": "subtract kl_coef * KL from the reward"})
-    kl_coef: float | None = field(default=None, metadata={"help": "default 0.001 when use_kl_in_reward"})
-    kl_penalty: str = field(default="kl", metadata={"help": "KL-in-reward estimator: kl (= k1) | k2 | k3 | abs | mse"})
-    kl_ctrl_type: str = field(default="fixed", metadata={"help": "fixed | adaptive (Ziegler et al. 2019)"})
-    kl_target: float = field(default=6.0, metadata={"help": "adaptive: the KL the coefficient steers toward"})
-    kl_horizon: int = field(default=10000, metadata={"help": "adaptive: sequences over which to correct"})
+    ppo_mini_batch_size: int = flag(64, "prompts per optimizer step (x rollout_n inside)")
+    ppo_epochs: int = flag(1, "passes over each batch")
+    actor_lr: float = flag(1e-6, "AdamW learning rate")
+    weight_decay: float = flag(0.01, "AdamW weight decay")
+    grad_clip: float = flag(1.0, "max global gradient norm")
+    clip_ratio_low: float = flag(0.2, "ratio clipped below at 1 - this")
+    clip_ratio_high: float = flag(0.2, "ratio clipped above at 1 + this (DAPO: 0.28)")
+    clip_ratio_c: float = flag(3.0, "dual-clip bound for negative advantages")
+    loss_agg_mode: str = flag("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm")
+    entropy_coeff: float = flag(0.0, "entropy bonus")
+    use_kl_loss: bool = flag(False, "KL to the reference model in the loss")
+    kl_loss_coef: float | None = flag(None, "default 0.001 when use_kl_loss")
+    kl_loss_type: str = flag("low_var_kl", "k1 | k2 | k3 | low_var_kl | abs | mse")
+    use_kl_in_reward: bool = flag(True, "subtract kl_coef * KL from the reward")
+    kl_coef: float | None = flag(None, "default 0.001 when use_kl_in_reward")
+    kl_penalty: str = flag("kl", "KL-in-reward estimator: kl (= k1) | k2 | k3 | abs | mse")
+    kl_ctrl_type: str = flag("fixed", "fixed | adaptive (Ziegler et al. 2019)")
+    kl_target: float = flag(6.0, "adaptive: the KL the coefficient steers toward")
+    kl_horizon: int = flag(10000, "adaptive: sequences over which to correct")
     # advantages (GAE)
-    gamma: float = field(default=1.0, metadata={"help": "discount"})
-    lam: float = field(default=1.0, metadata={"help": "GAE lambda"})
+    gamma: float = flag(1.0, "discount")
+    lam: float = flag(1.0, "GAE lambda")
     # the critic: a value model on the policy's body, its own optimizer and memory flags
-    critic_model: str | None = field(default=None, metadata={"help": "value model's body; default: --model"})
-    critic_lr: float = field(default=1e-5, metadata={"help": "critic AdamW learning rate (constant)"})
-    critic_weight_decay: float = field(default=0.01, metadata={"help": "critic AdamW weight decay"})
-    critic_warmup: int = field(default=0, metadata={
-        "help": "update only the critic for the first N steps (verl's `critic_warmup <= step` check: N - 1)"})
-    critic_ppo_micro_batch_size_per_gpu: int = field(default=4, metadata={"help": "sequences per critic forward"})
-    critic_ppo_max_token_len_per_gpu: int = field(default=32768, metadata={
-        "help": "tokens per critic forward (with --use_dynamic_bsz)"})
-    critic_grad_clip: float = field(default=1.0, metadata={"help": "critic's max global gradient norm"})
-    cliprange_value: float = field(default=0.5, metadata={"help": "new values kept within old +- this"})
-    vf_coef: float = field(default=1.0, metadata={
-        "help": "scales the critic's loss (verl applies it only to a shared actor-critic loss; with its own "
-                "optimizer it matters only through --critic_grad_clip)"})
-    critic_enable_gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations"})
-    critic_param_offload: bool = field(default=False, metadata={"help": "critic params, grads and optimizer on CPU"})
-    critic_optimizer_offload: bool = field(default=False, metadata={"help": "critic optimizer state on CPU"})
+    critic_model: str | None = flag(None, "value model's body; default: --model")
+    critic_lr: float = flag(1e-5, "critic AdamW learning rate (constant)")
+    critic_weight_decay: float = flag(0.01, "critic AdamW weight decay")
+    critic_warmup: int = flag(0, "update only the critic for the first N steps (verl's `critic_warmup <= step` check: N - 1)")
+    critic_ppo_micro_batch_size_per_gpu: int = flag(4, "sequences per critic forward")
+    critic_ppo_max_token_len_per_gpu: int = flag(32768, "tokens per critic forward (with --use_dynamic_bsz)")
+    critic_grad_clip: float = flag(1.0, "critic's max global gradient norm")
+    cliprange_value: float = flag(0.5, "new values kept within old +- this")
+    vf_coef: float = flag(
+        1.0,
+        "scales the critic's loss (verl applies it only to a shared actor-critic loss; with its own "
+        "optimizer it matters only through --critic_grad_clip)",
+    )
+    critic_enable_gradient_checkpointing: bool = flag(False, "recompute activations")
+    critic_param_offload: bool = flag(False, "critic params, grads and optimizer on CPU")
+    critic_optimizer_offload: bool = flag(False, "critic optimizer state on CPU")
     # the quickstart's shape and cadence (run.RunArgs' defaults are GRPO's)
-    max_response_length: int = field(default=512, metadata={"help": "tokens generated at most"})
-    gpu_memory_utilization: float = field(default=0.4, metadata={"help": "vLLM's share of GPU memory while awake"})
-    save_freq: int = field(default=10, metadata={"help": "checkpoint every N steps, the last, on a stop (-1: never)"})
-    val_before_train: bool = field(default=False, metadata={"help": "validate before the first step"})
-    project_name: str = field(default="ppo_gsm8k", metadata={"help": "for wandb / tensorboard / folders"})
+    max_response_length: int = flag(512, "tokens generated at most")
+    gpu_memory_utilization: float = flag(0.4, "vLLM's share of GPU memory while awake")
+    save_freq: int = flag(10, "checkpoint every N steps, the last, on a stop (-1: never)")
+    val_before_train: bool = flag(False, "validate before the first step")
+    project_name: str = flag("ppo_gsm8k", "for wandb / tensorboard / folders")
 
 
 # --- math: pure tensor functions, no globals, no I/O ---------------------------------------------
