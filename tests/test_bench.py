@@ -9,6 +9,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import ab_table  # noqa: E402
 import bench_engine  # noqa: E402
 import learn_table  # noqa: E402
 import phase_table  # noqa: E402
@@ -44,6 +45,26 @@ def test_table_and_summary(tmp_path, capsys):
     # per phase, the median over steps 2-3 (step 1 compiles): gen (91 + 93) / 2, update (40 + 42) / 2
     assert "median peak GiB per phase: gen 92.0, update_actor 41.0" in out
     assert "step 1 ended 95 s after launch (17 s of it in the step)" in out
+
+
+def test_ab_table_by_hand(tmp_path, capsys):
+    """Medians over the steps after the first, side by side, and B / A."""
+    def run(name, steps, gap):  # steps: (timing_s/step, timing_s/gen) per step
+        rows = [{"step": i + 1, "timing_s/step": s, "timing_s/gen": g, "rollout/logprob_gap_mean": gap,
+                 "timing_s/since_launch": 90.0 + 10 * i} for i, (s, g) in enumerate(steps)]
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(tmp_path / name)
+    # A: steps 2-4 take 20, 22, 30 s (median 22); B: 21, 23, 25 (median 23) -> 23 / 22 = 1.045
+    a = run("a.jsonl", [(80, 50), (20, 10), (22, 11), (30, 12)], 0.0125)
+    b = run("b.jsonl", [(70, 40), (21, 10), (23, 10), (25, 10)], 0.0125)
+    ab_table.main(a, b)
+    out = capsys.readouterr().out
+    assert "A (3 steps)" in out and "B (3 steps)" in out
+    table = {line[:24].strip(): line[24:].split() for line in out.splitlines()[1:]}
+    assert table["step s"] == ["22", "23", "1.045"]
+    assert table["gen s"] == ["11", "10", "0.909"]  # 10 / 11
+    assert table["logprob_gap_mean"] == ["0.0125", "0.0125", "1.000"]
+    assert table["step 1 ended s"] == ["90", "90", "1.000"]
 
 
 def test_learn_table_by_hand(tmp_path, capsys):
@@ -181,7 +202,7 @@ def test_profile_step_runs_on_a_tiny_model(tmp_path):
     too), host against device time per mode, and both operator profiles."""
     import subprocess
 
-    from tests.tiny_model import make_tiny_model
+    from bench.tiny import make_tiny_model
     model = make_tiny_model(str(tmp_path / "model"))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "MASTER_PORT": "29713"}
@@ -212,7 +233,7 @@ def test_random_model_has_the_shape_and_the_tokenizer(tmp_path, monkeypatch):
     import random_model
     from transformers import AutoConfig, AutoTokenizer
 
-    from tests.tiny_model import make_tiny_model
+    from bench.tiny import make_tiny_model
     tok_dir = make_tiny_model(str(tmp_path / "tok"))
     small = dict(random_model.SHAPES["qwen3-1.7b"], vocab_size=320, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
