@@ -6,7 +6,7 @@ REQ     := requirements-$(GPU).txt
 STAMP   := .venv/.installed-$(GPU)
 NPROC   ?= 1
 
-.PHONY: install test test-gpu bench bench-engine bench-profile bench-reward demo plot lock-cpu data clean
+.PHONY: install lint test test-gpu bench bench-engine bench-profile bench-reward demo plot lock-cpu data clean
 
 install: $(STAMP)
 
@@ -20,11 +20,17 @@ ifeq ($(GPU),cpu)
 endif
 	touch $@
 
-# The whole CPU suite: unit tests, torchrun multi-process tests and end-to-end train steps, in
+# ruff (pyproject.toml): the linter's rules and the formatter, lines of at most 100 characters.
+# `ruff check --fix . && ruff format .` fixes what they can.
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+# Lint, then the whole CPU suite: unit tests, torchrun multi-process tests and end-to-end train steps, in
 # TEST_WORKERS processes (a test file stays in one, so its module fixtures are built once), the slowest
 # files first (tests/conftest.py).
 TEST_WORKERS ?= 2
-test: install
+test: install lint
 	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # GPU-only checks (skip cleanly without a GPU): the engine on NCCL with sleep mode, bf16 parity.

@@ -1,9 +1,11 @@
-"""Rewards: pure `str -> float` scorers, dispatch by `data_source`, loading a user's `compute_score`,
-and pass@k over the scores of sampled responses (`validation_metrics`, the val-core / val-aux metrics).
+"""Rewards: pure `str -> float` scorers, dispatch by `data_source`, loading a user's
+`compute_score`, and pass@k over the scores of sampled responses (`validation_metrics`, the val-core
+/ val-aux metrics).
 
 A reward function has verl's signature
 
-    compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict
+    compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)
+    -> float | dict
 
 and returns a number, or a dict with a numeric "score" plus numeric extras that are logged
 (e.g. {"score": 1.0, "acc": 1.0, "format": 0.0}). No torch and no model calls here.
@@ -19,8 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-# --- GSM8K. strict gives what verl's verl/utils/reward_score/gsm8k.py gives on every input (rewritten) ---
-_SOLUTION_CLIP_CHARS = 300  # verl only looks at the tail: long regex scans are slow, the answer is at the end
+# --- GSM8K. strict gives what verl's verl/utils/reward_score/gsm8k.py gives on every input
+# (rewritten) ---
+_SOLUTION_CLIP_CHARS = (
+    300  # verl only looks at the tail: long regex scans are slow, the answer is at the end
+)
 _STRICT = re.compile("#### (\\-?[0-9\\.\\,]+)")
 _NUMBER = re.compile("(\\-?[0-9\\.\\,]+)")
 
@@ -30,8 +35,8 @@ def gsm8k_extract(solution_str, method="strict"):
 
     strict (verl's, the training reward): the number after the last "#### ", without "," and "$".
     flexible (ours, reported in validation next to strict): the last number in any form, without ","
-    and "$" and a trailing "." ("costs $1,000." -> "1000"); it is what the model knows, strict is what
-    it knows and formats as asked.
+    and "$" and a trailing "." ("costs $1,000." -> "1000"); it is what the model knows, strict is
+    what it knows and formats as asked.
     """
     assert method in ("strict", "flexible"), method
     if len(solution_str) > _SOLUTION_CLIP_CHARS:
@@ -47,14 +52,16 @@ def gsm8k_extract(solution_str, method="strict"):
 
 
 def gsm8k_score(solution_str, ground_truth, method="strict"):
-    """1.0 if the extracted answer equals ground_truth as a string, else 0.0 (verl: format_score=0)."""
+    """1.0 if the extracted answer equals ground_truth as a string, else 0.0 (verl:
+    format_score=0)."""
     answer = gsm8k_extract(solution_str, method)
     return 1.0 if answer is not None and answer == ground_truth else 0.0
 
 
 def arith_score(solution_str, ground_truth, method="strict"):
-    """data/arith.py. strict: 1.0 if the response's first integer is ground_truth (for 85: "85", "85, since"
-    and "sum: 85" score, "75", "850" and "47+38=85" do not); flexible: if any integer in it is."""
+    """data/arith.py. strict: 1.0 if the response's first integer is ground_truth (for 85: "85",
+    "85, since" and "sum: 85" score, "75", "850" and "47+38=85" do not); flexible: if any integer in
+    it is."""
     numbers = re.findall(r"-?[0-9]+", solution_str)
     candidates = numbers[:1] if method == "strict" else numbers
     return 1.0 if ground_truth in candidates else 0.0
@@ -74,22 +81,27 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
         raise NotImplementedError(
             f"no reward for data_source={data_source!r}; known: {sorted(SCORERS)}. Add a scorer to "
             "reward.SCORERS, or pass --custom_reward_function_path my_reward.py with a "
-            "compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)")
+            "compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)"
+        )
     return scorer(solution_str, ground_truth, method=kwargs.get("method", "strict"))
 
 
-def gsm8k_partial_credit(data_source, solution_str, ground_truth, extra_info=None, partial=0.5, **kwargs):
-    """GSM8K's strict reward, plus `partial` for a right answer in another format; other sources as compute_score.
+def gsm8k_partial_credit(
+    data_source, solution_str, ground_truth, extra_info=None, partial=0.5, **kwargs
+):
+    """GSM8K's strict reward, plus `partial` for a right answer in another format; other sources as
+    compute_score.
 
-    1.0 for the right number after "#### " (the strict reward), `partial` for the right number only as
-    the last one (flexible: "\\boxed{18}", "the answer is 18"), else 0.0. A model that answers in its
-    own format scores nothing under the strict reward until it samples "#### "; this one rewards right
-    answers from the first step and still prefers the asked-for format within every group. "acc" is the
-    strict score, so validation reports strict accuracy as val-core/<source>/acc/mean@1. Use it with
-    `--custom_reward_function_path reward.py --custom_reward_function_name gsm8k_partial_credit`.
-    On Qwen2.5-Coder-0.5B-Instruct, which answers in \\boxed{}, it slowed the switch to "#### " instead
-    of speeding learning up: the right \\boxed{} answers took the advantage the rare "#### " ones got
-    under the strict reward (docs/benchmarks.md, "Partial credit").
+    1.0 for the right number after "#### " (the strict reward), `partial` for the right number only
+    as the last one (flexible: "\\boxed{18}", "the answer is 18"), else 0.0. A model that answers in
+    its own format scores nothing under the strict reward until it samples "#### "; this one rewards
+    right answers from the first step and still prefers the asked-for format within every group.
+    "acc" is the strict score, so validation reports strict accuracy as
+    val-core/<source>/acc/mean@1. Use it with `--custom_reward_function_path reward.py
+    --custom_reward_function_name gsm8k_partial_credit`. On Qwen2.5-Coder-0.5B-Instruct, which
+    answers in \\boxed{}, it slowed the switch to "#### " instead of speeding learning up: the right
+    \\boxed{} answers took the advantage the rare "#### " ones got under the strict reward
+    (docs/benchmarks.md, "Partial credit").
     """
     if data_source != "openai/gsm8k":
         return compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs)
@@ -99,17 +111,23 @@ def gsm8k_partial_credit(data_source, solution_str, ground_truth, extra_info=Non
 
 
 def load_reward_function(path=None, name="compute_score"):
-    """The reward function: built-in compute_score when path is None, else `name` from the file at path.
+    """The reward function: built-in compute_score when path is None, else `name` from the file at
+    path.
 
-    Called at start-up, before any model loads, so a broken file fails in a second, not after an hour.
+    Called at start-up, before any model loads, so a broken file fails in a second, not after an
+    hour.
     """
     if path is None:
         return compute_score
     path = Path(path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"custom reward file {path} does not exist (--custom_reward_function_path)")
+        raise FileNotFoundError(
+            f"custom reward file {path} does not exist (--custom_reward_function_path)"
+        )
     if path.suffix != ".py":
-        raise ValueError(f"custom reward file {path} is not a .py file (--custom_reward_function_path)")
+        raise ValueError(
+            f"custom reward file {path} is not a .py file (--custom_reward_function_path)"
+        )
     module_name = f"custom_reward_{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
@@ -118,24 +136,34 @@ def load_reward_function(path=None, name="compute_score"):
         spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[module_name]
-        raise ImportError(f"importing custom reward file {path} failed: {type(e).__name__}: {e}") from e
+        raise ImportError(
+            f"importing custom reward file {path} failed: {type(e).__name__}: {e}"
+        ) from e
     if not hasattr(module, name):
-        defined = [k for k, v in vars(module).items()
-                   if callable(v) and getattr(v, "__module__", None) == module_name]
+        defined = [
+            k
+            for k, v in vars(module).items()
+            if callable(v) and getattr(v, "__module__", None) == module_name
+        ]
         raise AttributeError(f"{path} defines no function {name!r}; it defines {defined}")
     fn = getattr(module, name)
     if not callable(fn):
         raise TypeError(f"{path}: {name} is a {type(fn).__name__}, not a function")
     try:
-        inspect.signature(fn).bind(data_source="", solution_str="", ground_truth="", extra_info=None)
+        inspect.signature(fn).bind(
+            data_source="", solution_str="", ground_truth="", extra_info=None
+        )
     except TypeError as e:
-        raise TypeError(f"{path}: {name}{inspect.signature(fn)} cannot be called as "
-                        f"{name}(data_source=, solution_str=, ground_truth=, extra_info=): {e}") from e
+        raise TypeError(
+            f"{path}: {name}{inspect.signature(fn)} cannot be called as "
+            f"{name}(data_source=, solution_str=, ground_truth=, extra_info=): {e}"
+        ) from e
     return fn
 
 
 def _number(x):
-    """x as a finite float, or None when it is not a number (bool and numpy scalars count: True -> 1.0)."""
+    """x as a finite float, or None when it is not a number (bool and numpy scalars count: True
+    -> 1.0)."""
     if isinstance(x, numbers.Real) and math.isfinite(x):
         return float(x)
     return None
@@ -145,33 +173,53 @@ def _where(i, source, response):
     return f"sample {i} (data_source={source!r}, response starts {response[:200]!r})"
 
 
-def score_batch(fn, data_sources, responses, ground_truths, extra_infos, reward_errors="raise", **kwargs):
-    """Score each response with fn(data_source=, solution_str=, ground_truth=, extra_info=, **kwargs).
+def score_batch(
+    fn, data_sources, responses, ground_truths, extra_infos, reward_errors="raise", **kwargs
+):
+    """Score each response with fn(data_source=, solution_str=, ground_truth=, extra_info=,
+    **kwargs).
 
-    Returns (scores, extras, n_errors): scores is a list[float]; extras maps each numeric extra key that
-    fn returned in a dict to a list[float] over all samples (0.0 where a sample lacks the key, so means
-    are over the batch); non-numeric extras (e.g. the extracted answer) are dropped.
+    Returns (scores, extras, n_errors): scores is a list[float]; extras maps each numeric extra key
+    that fn returned in a dict to a list[float] over all samples (0.0 where a sample lacks the key,
+    so means are over the batch); non-numeric extras (e.g. the extracted answer) are dropped.
     A failing sample (fn raised, or returned None, a string, nan, a dict without a numeric "score"):
-    reward_errors="raise" raises RuntimeError naming it; "zero" scores it 0.0 and counts it in n_errors.
+    reward_errors="raise" raises RuntimeError naming it; "zero" scores it 0.0 and counts it in
+    n_errors.
     """
-    assert reward_errors in ("raise", "zero"), f"reward_errors must be 'raise' or 'zero', not {reward_errors!r}"
+    assert reward_errors in ("raise", "zero"), (
+        f"reward_errors must be 'raise' or 'zero', not {reward_errors!r}"
+    )
     scores, rows, n_errors = [], [], 0
-    for i, (source, response, truth, info) in enumerate(zip(data_sources, responses, ground_truths, extra_infos)):
+    for i, (source, response, truth, info) in enumerate(
+        zip(data_sources, responses, ground_truths, extra_infos)
+    ):
         try:
-            out = fn(data_source=source, solution_str=response, ground_truth=truth, extra_info=info, **kwargs)
+            out = fn(
+                data_source=source,
+                solution_str=response,
+                ground_truth=truth,
+                extra_info=info,
+                **kwargs,
+            )
         except Exception as e:
             if reward_errors == "raise":
-                raise RuntimeError(f"reward function raised on {_where(i, source, response)}: "
-                                   f"{type(e).__name__}: {e}. "
-                                   "Pass --reward_errors zero to score such samples 0.0") from e
+                raise RuntimeError(
+                    f"reward function raised on {_where(i, source, response)}: "
+                    f"{type(e).__name__}: {e}. "
+                    "Pass --reward_errors zero to score such samples 0.0"
+                ) from e
             out, n_errors = 0.0, n_errors + 1
-        extra = {k: _number(v) for k, v in out.items() if k != "score"} if isinstance(out, dict) else {}
+        extra = (
+            {k: _number(v) for k, v in out.items() if k != "score"} if isinstance(out, dict) else {}
+        )
         score = _number(out.get("score") if isinstance(out, dict) else out)
         if score is None:
             if reward_errors == "raise":
-                raise RuntimeError(f"reward function returned {type(out).__name__} {str(out)[:100]!r} on "
-                                   f"{_where(i, source, response)}; it must return a number or a dict with a "
-                                   "numeric 'score'. Pass --reward_errors zero to score such samples 0.0")
+                raise RuntimeError(
+                    f"reward function returned {type(out).__name__} {str(out)[:100]!r} on "
+                    f"{_where(i, source, response)}; it must return a number or a dict with a "
+                    "numeric 'score'. Pass --reward_errors zero to score such samples 0.0"
+                )
             score, extra, n_errors = 0.0, {}, n_errors + 1
         scores.append(score)
         rows.append({k: v for k, v in extra.items() if v is not None})
@@ -182,15 +230,16 @@ def score_batch(fn, data_sources, responses, ground_truths, extra_infos, reward_
 
 # --- pass@k of sampled responses (validation with n samples per problem) ---
 def pass_ks(n):
-    """The k of the pass@k reported for n samples per problem: powers of two below n, and n (none for 1)."""
+    """The k of the pass@k reported for n samples per problem: powers of two below n, and n (none
+    for 1)."""
     return sorted({2**i for i in range(n.bit_length()) if 2**i < n} | {n}) if n > 1 else []
 
 
 def pass_at_k(correct, k):
-    """Unbiased pass@k (Chen et al., 2021) from n >= k samples per problem, c of them correct: the chance
-    that k of the n, drawn without replacement, include a correct one, 1 - C(n - c, k) / C(n, k),
-    averaged over problems. correct: one row of n booleans per problem. pass@n is the share with any
-    correct."""
+    """Unbiased pass@k (Chen et al., 2021) from n >= k samples per problem, c of them correct: the
+    chance that k of the n, drawn without replacement, include a correct one, 1 - C(n - c, k) / C(n,
+    k), averaged over problems. correct: one row of n booleans per problem. pass@n is the share with
+    any correct."""
     counts = [sum(map(bool, row)) for row in correct]
     n = len(correct[0])
     return sum(1.0 - math.comb(n - c, k) / math.comb(n, k) for c in counts) / len(counts)
@@ -198,18 +247,24 @@ def pass_at_k(correct, k):
 
 def validation_metrics(rows, n):
     """The metrics of `validate` from one row per problem: (data_source, {score name: its n values},
-    response lengths). The names are "reward", "reward_flexible" (NaN where the source has no flexible
-    scorer) and the reward function's extras, which a problem lacks where its function returned none."""
+    response lengths). The names are "reward", "reward_flexible" (NaN where the source has no
+    flexible scorer) and the reward function's extras, which a problem lacks where its function
+    returned none."""
     metrics = {}
     for source in sorted({r[0] for r in rows}):
         mine = [r for r in rows if r[0] == source]
         for name in dict.fromkeys(key for r in mine for key in r[1]):
-            vals = np.array([r[1].get(name, [0.0] * n) for r in mine])  # a missing extra counts 0, as in training
+            # a missing extra counts 0, as in training
+            vals = np.array([r[1].get(name, [0.0] * n) for r in mine])
             if np.isnan(vals).all():
                 continue
             core = name in ("reward", "reward_flexible", "acc")
-            metrics[f"val-{'core' if core else 'aux'}/{source}/{name}/mean@{n}"] = float(vals.mean())
+            metrics[f"val-{'core' if core else 'aux'}/{source}/{name}/mean@{n}"] = float(
+                vals.mean()
+            )
             for k in pass_ks(n) if core else []:
                 metrics[f"val-core/{source}/{name}/pass@{k}"] = pass_at_k(vals > 0, k)
-        metrics[f"val-aux/{source}/response_length/mean"] = float(np.mean([x for r in mine for x in r[2]]))
+        metrics[f"val-aux/{source}/response_length/mean"] = float(
+            np.mean([x for r in mine for x in r[2]])
+        )
     return metrics

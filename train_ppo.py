@@ -1,15 +1,17 @@
-"""PPO: Proximal Policy Optimization with a learned critic (Schulman et al. 2017), as verl runs it for RLHF.
+"""PPO: Proximal Policy Optimization with a learned critic (Schulman et al. 2017), as verl runs it
+for RLHF.
 
 Sample one response per prompt (or n), score it with a rule reward, and subtract beta * KL(pi_old ||
-pi_ref) from every token's reward (Ziegler et al. 2019, eq. 2; beta fixed or adapted toward a target KL,
-sec. 2.2). A critic, a value head on the same body, predicts each token's return; advantages are GAE
-(Schulman et al. 2016, eq. 16) over the shaped rewards, whitened over the batch. The policy is updated
-with the clipped surrogate (PPO eq. 7), the critic by clipped value regression (verl / PPO2's
-`cliprange_value`). Actor and critic keep separate optimizers and losses, so `--vf_coef` only scales the
-critic's loss. Variants behind flags: an adaptive KL controller, the KL as a loss term instead
-(`--use_kl_loss`), dual-clip (Ye et al. 2020), critic warm-up, and truncated importance sampling from the
-engine's distribution to the trainer's (`--rollout_is`). Left out: reward models (rule and user
-functions only), multi-turn rollouts, sequence parallelism, a shared actor-critic body.
+pi_ref) from every token's reward (Ziegler et al. 2019, eq. 2; beta fixed or adapted toward a target
+KL, sec. 2.2). A critic, a value head on the same body, predicts each token's return; advantages are
+GAE (Schulman et al. 2016, eq. 16) over the shaped rewards, whitened over the batch. The policy is
+updated with the clipped surrogate (PPO eq. 7), the critic by clipped value regression (verl
+/ PPO2's `cliprange_value`). Actor and critic keep separate optimizers and losses, so `--vf_coef`
+only scales the critic's loss. Variants behind flags: an adaptive KL controller, the KL as a loss
+term instead (`--use_kl_loss`), dual-clip (Ye et al. 2020), critic warm-up, and truncated importance
+sampling from the engine's distribution to the trainer's (`--rollout_is`). Left out: reward models
+(rule and user functions only), multi-turn rollouts, sequence parallelism, a shared actor-critic
+body.
 
 Run: torchrun --nproc_per_node=8 train_ppo.py --model Qwen/Qwen2.5-0.5B-Instruct
 Shapes: B prompts, n samples per prompt, N = B*n sequences, T response tokens, V vocabulary.
@@ -29,20 +31,22 @@ from run import flag
 
 @dataclass
 class Args(run.RunArgs):
-    """PPO's flags, verl's names; the model, data, engine, memory, speed and trainer flags are run.RunArgs'."""
+    """PPO's flags, verl's names; the model, data, engine, memory, speed and trainer flags are
+    run.RunArgs'."""
 
     # the samples
     rollout_n: int = flag(1, "responses per prompt")
     # the actor's update: PPO's clipped surrogate, the loss aggregation, the KL to the reference
-    ppo_mini_batch_size: int = flag(64, "prompts per optimizer step (x rollout_n inside)")
-    ppo_epochs: int = flag(1, "passes over each batch")
     actor_lr: float = flag(1e-6, "AdamW learning rate")
     weight_decay: float = flag(0.01, "AdamW weight decay")
     grad_clip: float = flag(1.0, "max global gradient norm")
     clip_ratio_low: float = flag(0.2, "ratio clipped below at 1 - this")
     clip_ratio_high: float = flag(0.2, "ratio clipped above at 1 + this (DAPO: 0.28)")
     clip_ratio_c: float = flag(3.0, "dual-clip bound for negative advantages")
-    loss_agg_mode: str = flag("token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm")
+    loss_agg_mode: str = flag(
+        "token-mean",
+        "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm",
+    )
     entropy_coeff: float = flag(0.0, "entropy bonus")
     use_kl_loss: bool = flag(False, "KL to the reference model in the loss")
     kl_loss_coef: float | None = flag(None, "default 0.001 when use_kl_loss")
@@ -60,15 +64,21 @@ class Args(run.RunArgs):
     critic_model: str | None = flag(None, "value model's body; default: --model")
     critic_lr: float = flag(1e-5, "critic AdamW learning rate (constant)")
     critic_weight_decay: float = flag(0.01, "critic AdamW weight decay")
-    critic_warmup: int = flag(0, "update only the critic for the first N steps (verl's `critic_warmup <= step` check: N - 1)")
+    critic_warmup: int = flag(
+        0,
+        "update only the critic for the first N steps (verl's `critic_warmup <= step` check: N - "
+        "1)",
+    )
     critic_ppo_micro_batch_size_per_gpu: int = flag(4, "sequences per critic forward")
-    critic_ppo_max_token_len_per_gpu: int = flag(32768, "tokens per critic forward (with --use_dynamic_bsz)")
+    critic_ppo_max_token_len_per_gpu: int = flag(
+        32768, "tokens per critic forward (with --use_dynamic_bsz)"
+    )
     critic_grad_clip: float = flag(1.0, "critic's max global gradient norm")
     cliprange_value: float = flag(0.5, "new values kept within old +- this")
     vf_coef: float = flag(
         1.0,
-        "scales the critic's loss (verl applies it only to a shared actor-critic loss; with its own "
-        "optimizer it matters only through --critic_grad_clip)",
+        "scales the critic's loss (verl applies it only to a shared actor-critic loss; with its "
+        "own optimizer it matters only through --critic_grad_clip)",
     )
     critic_enable_gradient_checkpointing: bool = flag(False, "recompute activations")
     critic_param_offload: bool = flag(False, "critic params, grads and optimizer on CPU")
@@ -84,16 +94,21 @@ class Args(run.RunArgs):
 # --- math: pure tensor functions, no globals, no I/O ---------------------------------------------
 
 
-def compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam, whiten=True):
-    """Generalised advantage estimation (Schulman et al. 2016, eq. 16), backwards over response tokens:
+def compute_gae_advantage_return(
+    token_level_rewards, values, response_mask, gamma, lam, whiten=True
+):
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16), backwards over response
+    tokens:
 
-      delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1},   returns_t = A_t + V_t
+      delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1},
+      returns_t = A_t + V_t
 
-    with V and A zero after the last token. Then A is whitened over all response tokens of the batch:
-    (A - mean) / sqrt(var + 1e-8), unbiased var (verl's masked_whiten); returns stay raw, the critic's target.
-    Padding never leaks in: a masked position passes V_{t+1} and A_{t+1} through unchanged (verl's
-    multi-turn form), so the last token sees V = 0 past the end whatever the padding holds.
-    All tensors (N, T); returns advantages (N, T) and returns (N, T), zero on padding.
+    with V and A zero after the last token. Then A is whitened over all response tokens of the
+    batch: (A - mean) / sqrt(var + 1e-8), unbiased var (verl's masked_whiten); returns stay raw, the
+    critic's target. Padding never leaks in: a masked position passes V_{t+1} and A_{t+1} through
+    unchanged (verl's multi-turn form), so the last token sees V = 0 past the end whatever the
+    padding holds. All tensors (N, T); returns advantages (N, T) and returns (N, T), zero on
+    padding.
     """
     next_values = torch.zeros_like(values[:, 0])  # (N,)
     next_adv = torch.zeros_like(values[:, 0])
@@ -130,13 +145,24 @@ def agg_loss(loss_mat, response_mask, mode, num_tokens, num_seqs, max_response_l
         return (masked.sum(-1) / response_mask.sum(-1).clamp(min=1)).sum() / num_seqs
     if mode == "seq-mean-token-sum-norm":
         return masked.sum() / (num_seqs * max_response_length)
-    raise ValueError(f"--loss_agg_mode {mode!r} is not one of token-mean, seq-mean-token-mean, "
-                     "seq-mean-token-sum, seq-mean-token-sum-norm")
+    raise ValueError(
+        f"--loss_agg_mode {mode!r} is not one of token-mean, seq-mean-token-mean, "
+        "seq-mean-token-sum, seq-mean-token-sum-norm"
+    )
 
 
-def compute_policy_loss(old_log_probs, log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high,
-                        clip_ratio_c, is_weights=None):
-    """Per-token clipped surrogate loss (N, T), negated once, plus its statistics (sums over tokens).
+def compute_policy_loss(
+    old_log_probs,
+    log_probs,
+    advantages,
+    response_mask,
+    clip_ratio_low,
+    clip_ratio_high,
+    clip_ratio_c,
+    is_weights=None,
+):
+    """Per-token clipped surrogate loss (N, T), negated once, plus its statistics (sums over
+    tokens).
 
     PPO eq. 7: L = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A), ratio = pi/pi_old;
     clip-higher uses eps_high > eps_low (DAPO eq. 10); for A < 0 the loss is further capped at
@@ -155,15 +181,27 @@ def compute_policy_loss(old_log_probs, log_probs, advantages, response_mask, cli
     mask = response_mask.bool()
     stats = {
         "pg_clipfrac": ((clipped_ratio * advantages < ratio * advantages) & mask).sum(),
-        "pg_clipfrac_lower": ((surrogate < clip_ratio_c * advantages) & (advantages < 0) & mask).sum(),
+        "pg_clipfrac_lower": (
+            (surrogate < clip_ratio_c * advantages) & (advantages < 0) & mask
+        ).sum(),
         "ppo_kl": (-log_ratio * response_mask).sum(),
     }
     return pg_losses, stats
 
 
-def compute_value_loss(vpreds, values, returns, response_mask, cliprange_value, loss_agg_mode, num_tokens, num_seqs,
-                       max_response_length):
-    """Clipped value loss (PPO2's `cliprange_value`, as verl's compute_value_loss), aggregated globally.
+def compute_value_loss(
+    vpreds,
+    values,
+    returns,
+    response_mask,
+    cliprange_value,
+    loss_agg_mode,
+    num_tokens,
+    num_seqs,
+    max_response_length,
+):
+    """Clipped value loss (PPO2's `cliprange_value`, as verl's compute_value_loss), aggregated
+    globally.
 
       vpredclipped = values + clip(vpreds - values, -c, c)
       vf_loss = 0.5 * agg(max((vpreds - returns)^2, (vpredclipped - returns)^2))
@@ -176,20 +214,27 @@ def compute_value_loss(vpreds, values, returns, response_mask, cliprange_value, 
     vpredclipped = values + (vpreds - values).clamp(-cliprange_value, cliprange_value)
     vf_losses1 = (vpreds - returns).square()
     vf_losses2 = (vpredclipped - returns).square()
-    vf_loss = 0.5 * agg_loss(torch.max(vf_losses1, vf_losses2), response_mask, loss_agg_mode, num_tokens, num_seqs,
-                             max_response_length)
+    vf_loss = 0.5 * agg_loss(
+        torch.max(vf_losses1, vf_losses2),
+        response_mask,
+        loss_agg_mode,
+        num_tokens,
+        num_seqs,
+        max_response_length,
+    )
     return vf_loss, {"vf_clipfrac": ((vf_losses2 > vf_losses1) & response_mask.bool()).sum()}
 
 
 def explained_variance(returns, values, response_mask):
-    """1 - Var[returns - values] / Var[returns] over response tokens: 1 = the critic predicts the returns,
-    0 = no better than their mean (verl's critic/vf_explained_var, with its 1e-5)."""
+    """1 - Var[returns - values] / Var[returns] over response tokens: 1 = the critic predicts the
+    returns, 0 = no better than their mean (verl's critic/vf_explained_var, with its 1e-5)."""
     mask = response_mask.bool()
     return (1 - (returns - values)[mask].var() / (returns[mask].var() + 1e-5)).item()
 
 
 def kl_penalty(log_probs, ref_log_probs, kl_type):
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating KL").
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating
+    KL").
 
     k1 = log r, k2 (mse) = (log r)^2 / 2, k3 (low_var_kl) = r' - 1 - log r' with r' = pi_ref / pi
     (unbiased and always >= 0), abs = |log r|, where log r = log pi - log pi_ref. k3 is clamped
@@ -234,12 +279,16 @@ class AdaptiveKLController:
         self.value *= 1 + proportional_error * n_steps / self.horizon
 
 
-def apply_kl_penalty(token_level_scores, old_log_probs, ref_log_probs, response_mask, beta, kl_type):
-    """r_t = score_t - beta * KL_t (Ziegler et al. 2019, eq. 2), KL_t an estimate of KL(pi_old || pi_ref).
+def apply_kl_penalty(
+    token_level_scores, old_log_probs, ref_log_probs, response_mask, beta, kl_type
+):
+    """r_t = score_t - beta * KL_t (Ziegler et al. 2019, eq. 2), KL_t an estimate of KL(pi_old
+    || pi_ref).
 
-    token_level_scores (N, T) holds each score on its last response token. Returns token_level_rewards
-    (N, T) and the batch's KL as verl feeds its controller: the per-sequence mean over response
-    tokens, averaged over sequences. Does not update the controller: the caller does, with that KL.
+    token_level_scores (N, T) holds each score on its last response token. Returns
+    token_level_rewards (N, T) and the batch's KL as verl feeds its controller: the per-sequence
+    mean over response tokens, averaged over sequences. Does not update the controller: the caller
+    does, with that KL.
     """
     kl = kl_penalty(old_log_probs, ref_log_probs, kl_type) * response_mask  # (N, T)
     current_kl = (kl.sum(-1) / response_mask.sum(-1).clamp(min=1)).mean().item()
@@ -249,137 +298,154 @@ def apply_kl_penalty(token_level_scores, old_log_probs, ref_log_probs, response_
 # --- the updates ---------------------------------------------------------------------------------
 
 
-def update_actor(actor, optimizer, samples, old_log_probs, ref_log_probs, advantages, response_mask, args, step,
-                 device, is_weights=None):
+def update_actor(
+    actor,
+    optimizer,
+    samples,
+    old_log_probs,
+    ref_log_probs,
+    advantages,
+    response_mask,
+    args,
+    step,
+    device,
+    is_weights=None,
+):
     """PPO-style update of the policy on a rank's share of the batch; returns actor/* metrics."""
-    # train mode for the update only, as verl: Hugging Face's gradient checkpointing (and dropout, where a
-    # model has any) act only in it; the log-prob passes and validation run in eval mode
+    # train mode for the update only, as verl: Hugging Face's gradient checkpointing (and dropout,
+    # where a model has any) act only in it; the log-prob passes and validation run in eval mode
     actor.train()
     world = dist.get_world_size()
-    mini = args.ppo_mini_batch_size * args.rollout_n // world  # sequences per rank per optimizer step
+    mini = args.ppo_mini_batch_size * args.rollout_n // world  # sequences a rank, an optimizer step
     micro = args.ppo_micro_batch_size_per_gpu
-    max_tokens = args.ppo_max_token_len_per_gpu if args.use_dynamic_bsz else None
+    budget = args.ppo_max_token_len_per_gpu if args.use_dynamic_bsz else None
+    clip = args.clip_ratio_low, args.clip_ratio_high, args.clip_ratio_c
     # running sums stay on the device: an .item() per micro-batch would stall the GPU each time
     names = ["pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"]
-    if ref_log_probs is not None:  # as verl: no actor/kl_loss without the term (a 0 would read as no drift)
-        names.append("kl_loss")
+    # as verl: no actor/kl_loss without the term (a 0 would read as no drift)
+    names += ["kl_loss"] if ref_log_probs is not None else []
     sums = {k: torch.zeros((), device=device) for k in names}
-    grad_norms, n_updates = [], 0
+    grad_norms = []
     for _ in range(args.ppo_epochs):
         for start in range(0, len(samples), mini):
             stop = min(start + mini, len(samples))  # the last mini-batch may be smaller, as in verl
             tokens = sharding.all_sum(response_mask[start:stop].sum().item(), device=device)[0]
-            seqs = (stop - start) * world
+            # agg_loss's mode and global denominators: all micro-batches and ranks of the mini-batch
+            agg = args.loss_agg_mode, tokens, (stop - start) * world, args.max_response_length
             mini_loss = torch.zeros((), device=device)
-            for idx in sharding.micro_batches(samples[start:stop], micro, max_tokens):
+            for idx in sharding.micro_batches(samples[start:stop], micro, budget):
                 mb = [start + i for i in idx]
-                log_probs, entropy = sharding.forward_log_probs(actor, [samples[i] for i in mb], args.temperature,
-                                                       args.use_remove_padding, with_entropy=args.entropy_coeff != 0,
-                                                       fused=args.use_fused_kernels)
+                log_probs, entropy = sharding.policy_forward(
+                    actor, [samples[i] for i in mb], args, with_entropy=args.entropy_coeff != 0
+                )
                 Tm = log_probs.shape[1]
                 mask, adv, old = response_mask[mb, :Tm], advantages[mb, :Tm], old_log_probs[mb, :Tm]
-                agg = dict(response_mask=mask, mode=args.loss_agg_mode, num_tokens=tokens, num_seqs=seqs,
-                           max_response_length=args.max_response_length)
-                pg_losses, stats = compute_policy_loss(old, log_probs, adv, mask, args.clip_ratio_low,
-                                                       args.clip_ratio_high, args.clip_ratio_c,
-                                                       None if is_weights is None else is_weights[mb, :Tm])
-                pg_loss = agg_loss(pg_losses, **agg)
-                loss = pg_loss - args.entropy_coeff * agg_loss(entropy, **agg) if args.entropy_coeff else pg_loss
+                w = None if is_weights is None else is_weights[mb, :Tm]
+                pg_losses, stats = compute_policy_loss(old, log_probs, adv, mask, *clip, w)
+                pg_loss = agg_loss(pg_losses, mask, *agg)
+                loss = pg_loss
+                if args.entropy_coeff:
+                    loss = loss - args.entropy_coeff * agg_loss(entropy, mask, *agg)
                 if ref_log_probs is not None:
-                    kl_loss = agg_loss(kl_penalty(log_probs, ref_log_probs[mb, :Tm], args.kl_loss_type), **agg)
+                    kl = kl_penalty(log_probs, ref_log_probs[mb, :Tm], args.kl_loss_type)
+                    kl_loss = agg_loss(kl, mask, *agg)
                     loss = loss + args.kl_loss_coef * kl_loss
                     sums["kl_loss"] += kl_loss.detach()
-                # FSDP2 averages gradients over ranks; the loss is already a global mean, so undo that.
+                # FSDP2 averages gradients over ranks; the loss is already a global mean: undo that
                 (loss * world).backward()
                 mini_loss += loss.detach()
                 sums["pg_loss"] += pg_loss.detach()
                 for k, v in stats.items():
                     sums[k] += v / tokens
             if not torch.isfinite(mini_loss):
-                raise FloatingPointError(f"step {step}: non-finite loss {mini_loss.item()}; stopping before the update "
-                                         "(the last checkpoint is untouched). Lower --actor_lr or check the data.")
-            grad_norms.append(sharding.clip_and_step(actor, optimizer, args.grad_clip, step, "--actor_lr"))
-            n_updates += 1
+                raise FloatingPointError(
+                    f"step {step}: non-finite loss {mini_loss.item()}; stopping before the update "
+                    "(the last checkpoint is untouched). Lower --actor_lr or check the data."
+                )
+            norm = sharding.clip_and_step(actor, optimizer, args.grad_clip, step, "--actor_lr")
+            grad_norms.append(norm)
     totals = sharding.all_sum(*(v.item() for v in sums.values()), device=device)
-    metrics = {f"actor/{k}": v / n_updates for k, v in zip(sums, totals)}
+    metrics = {f"actor/{k}": v / len(grad_norms) for k, v in zip(sums, totals)}
     metrics["actor/grad_norm"] = float(np.mean(grad_norms))
     actor.eval()
     return metrics
 
 
 def update_critic(critic, optimizer, samples, values, returns, response_mask, args, step, device):
-    """Clipped value regression on a rank's share of the batch, over the actor's mini-batches; returns
-    critic/* metrics."""
+    """Clipped value regression on a rank's share of the batch, over the actor's mini-batches;
+    returns critic/* metrics."""
     # train mode for the update only, as the actor's: gradient checkpointing acts only in it
     critic.train()
     world = dist.get_world_size()
-    mini = args.ppo_mini_batch_size * args.rollout_n // world  # sequences per rank per optimizer step
+    mini = args.ppo_mini_batch_size * args.rollout_n // world  # sequences a rank, an optimizer step
     micro = args.critic_ppo_micro_batch_size_per_gpu
-    max_tokens = args.critic_ppo_max_token_len_per_gpu if args.use_dynamic_bsz else None
-    sums = {k: torch.zeros((), device=device) for k in ("vf_loss", "vf_clipfrac", "vpred_mean")}  # on the device
-    grad_norms, n_updates = [], 0
+    budget = args.critic_ppo_max_token_len_per_gpu if args.use_dynamic_bsz else None
+    sums = {k: torch.zeros((), device=device) for k in ("vf_loss", "vf_clipfrac", "vpred_mean")}
+    grad_norms = []
     for _ in range(args.ppo_epochs):
         for start in range(0, len(samples), mini):
             stop = min(start + mini, len(samples))  # the last mini-batch may be smaller, as in verl
             tokens = sharding.all_sum(response_mask[start:stop].sum().item(), device=device)[0]
-            seqs = (stop - start) * world
+            # agg_loss's mode and global denominators: all micro-batches and ranks of the mini-batch
+            agg = args.loss_agg_mode, tokens, (stop - start) * world, args.max_response_length
             mini_loss = torch.zeros((), device=device)
-            for idx in sharding.micro_batches(samples[start:stop], micro, max_tokens):
+            for idx in sharding.micro_batches(samples[start:stop], micro, budget):
                 mb = [start + i for i in idx]
-                vpreds = sharding.forward_values(critic, [samples[i] for i in mb], args.use_remove_padding)
+                packed = args.use_remove_padding
+                vpreds = sharding.forward_values(critic, [samples[i] for i in mb], packed)
                 Tm = vpreds.shape[1]
-                mask = response_mask[mb, :Tm]
-                vf_loss, stats = compute_value_loss(vpreds, values[mb, :Tm], returns[mb, :Tm], mask,
-                                                    args.cliprange_value, args.loss_agg_mode, tokens, seqs,
-                                                    args.max_response_length)
+                mask, old, ret = response_mask[mb, :Tm], values[mb, :Tm], returns[mb, :Tm]
+                vf_loss, stats = compute_value_loss(
+                    vpreds, old, ret, mask, args.cliprange_value, *agg
+                )
                 loss = args.vf_coef * vf_loss
-                (loss * world).backward()  # FSDP2 averages gradients over ranks; the loss is a global mean
+                (loss * world).backward()  # FSDP2 averages over ranks; the loss is a global mean
                 mini_loss += loss.detach()
                 sums["vf_loss"] += vf_loss.detach()
                 sums["vf_clipfrac"] += stats["vf_clipfrac"] / tokens
                 sums["vpred_mean"] += (vpreds.detach() * mask).sum() / tokens
             if not torch.isfinite(mini_loss):
-                raise FloatingPointError(f"step {step}: non-finite critic loss {mini_loss.item()}; stopping before the "
-                                         "update (the last checkpoint is untouched). Lower --critic_lr.")
-            grad_norms.append(sharding.clip_and_step(critic, optimizer, args.critic_grad_clip, step, "--critic_lr"))
-            n_updates += 1
+                raise FloatingPointError(
+                    f"step {step}: non-finite critic loss {mini_loss.item()}; stopping before the "
+                    "update (the last checkpoint is untouched). Lower --critic_lr."
+                )
+            norm = sharding.clip_and_step(
+                critic, optimizer, args.critic_grad_clip, step, "--critic_lr"
+            )
+            grad_norms.append(norm)
     totals = sharding.all_sum(*(v.item() for v in sums.values()), device=device)
-    metrics = {f"critic/{k}": v / n_updates for k, v in zip(sums, totals)}
+    metrics = {f"critic/{k}": v / len(grad_norms) for k, v in zip(sums, totals)}
     metrics["critic/grad_norm"] = float(np.mean(grad_norms))
     critic.eval()
     return metrics
-
-
-def gather_batch(*tensors):
-    """Every rank's rows of each (b, T_rank) tensor, right-padded to the longest T, in rank order: the
-    whole batch on every rank, for statistics over the batch (whitening, the controller's KL)."""
-    parts = sharding.gather_objects([t.cpu() for t in tensors])
-    T = max(p[0].shape[1] for p in parts)
-    return [torch.cat([torch.nn.functional.pad(p[k], (0, T - p[k].shape[1])) for p in parts]).to(tensors[0].device)
-            for k in range(len(tensors))]
 
 
 # --- the run ------------------------------------------------------------------------------------
 
 
 def check_args(args, world_size):
-    """Fail at start-up, naming the flags, before anything heavy loads (run.check_args: the shared flags)."""
-    run.check_args(args, world_size, token_budgets=("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu",
-                                                    "critic_ppo_max_token_len_per_gpu"))
+    """Fail at start-up, naming the flag, before anything heavy loads (the shared flags:
+    run.check_args); fill in the KL coefficients' and the critic's defaults."""
+    run.check_args(args, world_size)
     need = run.need
     need(args.rollout_n >= 1, "--rollout_n must be >= 1")
-    need(args.ppo_mini_batch_size <= args.train_batch_size,
-         f"--ppo_mini_batch_size {args.ppo_mini_batch_size} must not exceed --train_batch_size {args.train_batch_size}")
-    need(args.ppo_mini_batch_size * args.rollout_n % world_size == 0,
-         f"--ppo_mini_batch_size x --rollout_n ({args.ppo_mini_batch_size * args.rollout_n}) must be divisible by "
-         f"the number of GPUs {world_size}")
-    need(args.kl_loss_coef is None or args.use_kl_loss, "--kl_loss_coef is set but --use_kl_loss is false")
-    need(args.kl_coef is None or args.use_kl_in_reward, "--kl_coef is set but --use_kl_in_reward is false")
+    need(
+        args.kl_loss_coef is None or args.use_kl_loss,
+        "--kl_loss_coef is set but --use_kl_loss is false",
+    )
+    need(
+        args.kl_coef is None or args.use_kl_in_reward,
+        "--kl_coef is set but --use_kl_in_reward is false",
+    )
     need(args.kl_ctrl_type in ("fixed", "adaptive"), "--kl_ctrl_type must be fixed or adaptive")
-    need(args.kl_penalty in ("kl", "k1", "k2", "k3", "low_var_kl", "abs", "mse"),
-         "--kl_penalty must be kl (= k1), k2, k3, low_var_kl, abs or mse")
-    agg_loss(torch.zeros(1, 1), torch.ones(1, 1), args.loss_agg_mode, 1, 1, 1)  # raises on a bad mode
-    kl_penalty(torch.zeros(1), torch.zeros(1), args.kl_loss_type)
+    need(
+        args.kl_penalty in ("kl", "k1", "k2", "k3", "low_var_kl", "abs", "mse"),
+        "--kl_penalty must be kl (= k1), k2, k3, low_var_kl, abs or mse",
+    )
+    agg_loss(
+        torch.zeros(1, 1), torch.ones(1, 1), args.loss_agg_mode, 1, 1, 1
+    )  # raises on a bad mode
+    kl_penalty(torch.zeros(1), torch.zeros(1), args.kl_loss_type)  # likewise
     args.critic_optimizer_offload &= not args.critic_param_offload
     args.kl_loss_coef = 0.001 if args.kl_loss_coef is None else args.kl_loss_coef
     args.kl_coef = 0.001 if args.kl_coef is None else args.kl_coef
@@ -387,119 +453,126 @@ def check_args(args, world_size):
 
 
 def main(args):
-    r = run.start(args, check_args)  # process group, flags, reward function, tokenizer, data, number of steps
+    r = run.start(args, check_args)  # process group, flags, reward function, tokenizer, data, steps
     device, world, n = r.device, r.world, args.rollout_n
 
     # models: the actor (trained), the reference (frozen, only when a KL term is on), the critic
-    use_ref = (args.use_kl_loss or args.use_kl_in_reward) and not args.val_only
     actor = sharding.load_policy(args.model, device, not args.val_only, args.param_offload, args)
-    ref = sharding.load_policy(args.model, device, False, args.ref_param_offload, args) if use_ref else None
-    optimizer = torch.optim.AdamW(actor.parameters(), lr=args.actor_lr, weight_decay=args.weight_decay,
-                                  betas=(0.9, 0.999))
+    ref = None
+    if (args.use_kl_loss or args.use_kl_in_reward) and not args.val_only:
+        ref = sharding.load_policy(args.model, device, False, args.ref_param_offload, args)
+    optimizer = torch.optim.AdamW(actor.parameters(), args.actor_lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, run.lr_lambda(args, r.total_steps))
     models, optimizers, schedulers = {"actor": actor}, {"actor": optimizer}, {"actor": scheduler}
     critic = None
     if not args.val_only:
         critic = sharding.load_critic(args.critic_model, device, args)
-        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr,
-                                             weight_decay=args.critic_weight_decay, betas=(0.9, 0.999))
-        critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lambda _: 1.0)  # verl: constant
-        models["critic"], optimizers["critic"], schedulers["critic"] = critic, critic_optimizer, critic_scheduler
-    kl_ctrl = (AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_ctrl_type == "adaptive"
-               else FixedKLController(args.kl_coef))
-    state = r.resume(models, optimizers, schedulers)  # the checkpoint's trainer state; None: already finished
-    if state is None:
+        decay = args.critic_weight_decay
+        critic_optimizer = torch.optim.AdamW(
+            critic.parameters(), args.critic_lr, weight_decay=decay
+        )
+        critic_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            critic_optimizer, lambda _: 1.0
+        )  # verl
+        models["critic"], optimizers["critic"] = critic, critic_optimizer
+        schedulers["critic"] = critic_scheduler
+    kl_ctrl = FixedKLController(args.kl_coef)
+    if args.kl_ctrl_type == "adaptive":
+        kl_ctrl = AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon)
+    state = r.resume(models, optimizers, schedulers)
+    if state is None:  # that run has finished its steps
         return
     kl_ctrl.value = state.get("kl_coef", kl_ctrl.value)
-    # the engine, which generates with the actor's weights (a pool of engines starts in other processes
-    # while the step's passes compile)
+    # the engine, which generates with the actor's weights (a pool of engines starts in processes of
+    # its own while the step's passes compile here)
     engine = r.make_engine()
     if r.compile_ahead:
         sharding.compile_ahead(actor, ref, args, device, update_actor, critic, update_critic)
     r.engine_ready(engine, actor)
     if args.val_only:
         return r.validate_only()
-    source = batches.Batches(engine, r.train, args, r.tokenizer, r.reward_fn, actor, device, state, n)
-    log_prob_tokens = args.log_prob_max_token_len_per_gpu if args.use_dynamic_bsz else None
-    critic_tokens = args.critic_ppo_max_token_len_per_gpu if args.use_dynamic_bsz else None
+    source = batches.Batches(r, engine, actor, state)
 
     for step in range(r.step + 1, r.total_steps + 1):
         metrics, timer = {}, run.Timer({}, device, engine)
         with timer("step"):
-            # 1 generate: the engine (awake, holding the latest weights) samples n responses per prompt
-            # 2 score: rule or user reward per response; this rank's share of the batch as tensors
-            batch = source.next(step, r.total_steps, timer)
-            samples, response_mask = batch.samples, batch.response_mask  # N/world sequences, (N/world, T)
+            # 1 generate: the engine (awake, with the latest weights) samples n responses a prompt
+            # 2 score: a rule or your reward per response; this rank's share of them as tensors
+            batch = source.next(step, timer)
+            samples, response_mask = batch.samples, batch.response_mask  # N/world; (N/world, T)
             T = response_mask.shape[1]
 
-            # 3 old and reference log-probs, recomputed by the FSDP2 actor (the engine's are a check); the
-            # policy's entropy as verl reports it, from the old pass (the update computes it only for a bonus)
+            # 3 old and reference log-probs, recomputed by the FSDP2 actor (the engine's are a
+            # check); the policy's entropy as verl reports it, from the old pass
             with timer("old_log_prob"):
-                old_log_probs, entropy = sharding.batched_log_probs(
-                    actor, samples, args.log_prob_micro_batch_size_per_gpu, args.temperature,
-                    args.use_remove_padding, T, log_prob_tokens, with_entropy=True)
-                n_tokens = sharding.all_sum(response_mask.sum().item(), device=device)[0]  # all ranks
-                mean_entropy = agg_loss(entropy, response_mask, args.loss_agg_mode, n_tokens, len(samples) * world,
-                                        args.max_response_length)
-                metrics["actor/entropy"] = sharding.all_sum(mean_entropy.item(), device=device)[0]
+                old_log_probs, entropy = sharding.log_prob_pass(actor, samples, T, args, True)
+                n_tokens = sharding.all_sum(response_mask.sum().item(), device=device)[0]
+                agg = args.loss_agg_mode, n_tokens, len(samples) * world, args.max_response_length
+                entropy = agg_loss(entropy, response_mask, *agg).item()
+                metrics["actor/entropy"] = sharding.all_sum(entropy, device=device)[0]
             # --rollout_is: weights from the engine's sampling distribution to the trainer's
             is_weights, is_metrics = batches.importance_weights(old_log_probs, batch, args, device)
             metrics |= is_metrics
             if ref is not None:
                 with timer("ref"):
-                    ref_log_probs, _ = sharding.batched_log_probs(
-                        ref, samples, args.log_prob_micro_batch_size_per_gpu, args.temperature,
-                        args.use_remove_padding, T, log_prob_tokens)
+                    ref_log_probs, _ = sharding.log_prob_pass(ref, samples, T, args)
 
             # 3b values: the critic's estimate of each token's return, before its update
             with timer("values"):
-                values = sharding.batched_values(critic, samples, args.critic_ppo_micro_batch_size_per_gpu,
-                                                 args.use_remove_padding, T, critic_tokens)
+                values = sharding.value_pass(critic, samples, T, args)
 
-            # 4 advantages: the score sits on the last response token; KL-in-reward subtracts beta * KL on
-            # every token, then GAE. Over the whole batch, gathered on every rank: the controller's KL and
-            # the whitening are batch statistics (verl computes them on the whole batch too).
+            # 4 advantages: the score sits on the last response token; KL-in-reward subtracts
+            # beta * KL on every token, then GAE. Over the whole batch, gathered on every rank: the
+            # controller's KL and the whitening are batch statistics (as in verl).
             with timer("adv"):
                 last = (response_mask.sum(-1).long() - 1).clamp(min=0)
                 token_level_scores = torch.zeros_like(response_mask)
                 token_level_scores[torch.arange(len(samples)), last] = batch.scores
-                batch_scores, batch_values, batch_mask, *batch_log_probs = gather_batch(
-                    token_level_scores, values, response_mask,
-                    *((old_log_probs, ref_log_probs) if args.use_kl_in_reward else ()))  # (N, T_max)
-                batch_rewards = batch_scores
+                kl_terms = (old_log_probs, ref_log_probs) if args.use_kl_in_reward else ()
+                gathered = sharding.gather_rows(
+                    token_level_scores, values, response_mask, *kl_terms
+                )
+                all_scores, all_values, all_mask, *all_log_probs = gathered  # (N, T_max)
+                all_rewards = all_scores
                 if args.use_kl_in_reward:
-                    metrics["actor/reward_kl_penalty_coeff"] = kl_ctrl.value  # the beta this step used
-                    batch_rewards, metrics["actor/reward_kl_penalty"] = apply_kl_penalty(
-                        batch_scores, *batch_log_probs, batch_mask, kl_ctrl.value, args.kl_penalty)
-                    kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=len(batch_mask))
-                batch_advantages, batch_returns = compute_gae_advantage_return(batch_rewards, batch_values,
-                                                                               batch_mask, args.gamma, args.lam)
-                metrics["critic/vf_explained_var"] = explained_variance(batch_returns, batch_values, batch_mask)
-                my_rows = slice(r.rank * len(samples), (r.rank + 1) * len(samples))  # back to this rank's share
-                token_level_rewards, advantages, returns = (x[my_rows, :T] for x in (batch_rewards, batch_advantages,
-                                                                                     batch_returns))
+                    metrics["actor/reward_kl_penalty_coeff"] = kl_ctrl.value  # this step's beta
+                    all_rewards, kl = apply_kl_penalty(
+                        all_scores, *all_log_probs, all_mask, kl_ctrl.value, args.kl_penalty
+                    )
+                    metrics["actor/reward_kl_penalty"] = kl
+                    kl_ctrl.update(kl, n_steps=len(all_mask))
+                gae = compute_gae_advantage_return(
+                    all_rewards, all_values, all_mask, args.gamma, args.lam
+                )
+                metrics["critic/vf_explained_var"] = explained_variance(
+                    gae[1], all_values, all_mask
+                )
+                mine = slice(r.rank * len(samples), (r.rank + 1) * len(samples))  # this rank's rows
+                token_level_rewards, advantages, returns = (
+                    x[mine, :T] for x in (all_rewards, *gae)
+                )
 
             # 5a update the critic: clipped regression of the values toward the returns
             with timer("update_critic"):
                 metrics["critic/lr"] = critic_scheduler.get_last_lr()[0]
                 if args.critic_optimizer_offload:
                     sharding.move_optimizer_state(critic_optimizer, device)
-                metrics |= update_critic(critic, critic_optimizer, samples, values, returns, response_mask, args,
-                                         step, device)
+                data = samples, values, returns, response_mask
+                metrics |= update_critic(critic, critic_optimizer, *data, args, step, device)
                 critic_scheduler.step()
                 if args.critic_optimizer_offload:
                     sharding.move_optimizer_state(critic_optimizer, "cpu")
 
-            # 5b update the actor once the critic has warmed up: mini-batches x epochs, micro-batch gradient
-            # accumulation, global normalisation
+            # 5b update the actor once the critic has warmed up: mini-batches x epochs, micro-batch
+            # gradients accumulated, a global mean
             if step > args.critic_warmup:
                 with timer("update_actor"):
-                    metrics["actor/lr"] = scheduler.get_last_lr()[0]  # this update's rate (after step(): the next's)
+                    metrics["actor/lr"] = scheduler.get_last_lr()[0]  # this update's rate
                     if args.optimizer_offload:
                         sharding.move_optimizer_state(optimizer, device)
-                    metrics |= update_actor(actor, optimizer, samples, old_log_probs,
-                                            ref_log_probs if args.use_kl_loss else None, advantages, response_mask,
-                                            args, step, device, is_weights)
+                    kl_ref = ref_log_probs if args.use_kl_loss else None  # the KL loss's reference
+                    data = samples, old_log_probs, kl_ref, advantages, response_mask
+                    metrics |= update_actor(actor, optimizer, *data, args, step, device, is_weights)
                     scheduler.step()
                     if args.optimizer_offload:
                         sharding.move_optimizer_state(optimizer, "cpu")
@@ -509,13 +582,13 @@ def main(args):
             source.push_weights(timer)
 
         # 7 log, validate, save (no actor MFU during the critic's warm-up: the update did not run)
-        mean = lambda x: sharding.all_sum((x * response_mask).sum().item(), device=device)[0] / max(n_tokens, 1)  # noqa: E731
-        metrics |= {
-            "critic/rewards/mean": sharding.all_sum(token_level_rewards.sum().item(), device=device)[0] / (
-                len(batch.groups) * n),
-            "critic/advantages/mean": mean(advantages), "critic/values/mean": mean(values),
-            "critic/returns/mean": mean(returns)}
-        if r.end_step(step, metrics, timer, batch, old_log_probs, source, {"kl_coef": kl_ctrl.value}):
+        rewards = sharding.all_sum(token_level_rewards.sum().item(), device=device)[0]
+        metrics["critic/rewards/mean"] = rewards / (len(batch.groups) * n)  # per sequence
+        for name, x in (("advantages", advantages), ("values", values), ("returns", returns)):
+            metrics[f"critic/{name}/mean"] = sharding.masked_mean(x, response_mask, n_tokens)
+        if r.end_step(
+            step, metrics, timer, batch, old_log_probs, source, {"kl_coef": kl_ctrl.value}
+        ):
             break
     return r.finish(step, metrics, actor, source)
 

@@ -9,15 +9,28 @@ import argparse
 import json
 import statistics
 
-PHASES = ["step", "gen", "old_log_prob", "ref", "values", "update_critic", "update_actor", "update_weights"]
+PHASES = [
+    "step",
+    "gen",
+    "old_log_prob",
+    "ref",
+    "values",
+    "update_critic",
+    "update_actor",
+    "update_weights",
+]
 
 
 def medians(path):
-    """{row name: median over steps 2.. (step 1 alone if it is the only one)}, and step 1's end after launch."""
+    """{row name: median over steps 2.. (step 1 alone if it is the only one)}, and step 1's end
+    after launch."""
     rows = [r for r in map(json.loads, open(path)) if "timing_s/step" in r]
     steady = rows[1:] or rows
-    out = {f"{p} s": statistics.median(r[f"timing_s/{p}"] for r in steady)
-           for p in PHASES if all(f"timing_s/{p}" in r for r in steady)}
+    out = {
+        f"{p} s": statistics.median(r[f"timing_s/{p}"] for r in steady)
+        for p in PHASES
+        if all(f"timing_s/{p}" in r for r in steady)
+    }
     out["logprob_gap_mean"] = statistics.median(r["rollout/logprob_gap_mean"] for r in steady)
     out["step 1 ended s"] = rows[0]["timing_s/since_launch"]
     return out, len(steady)
@@ -25,7 +38,10 @@ def medians(path):
 
 def main(a, b):
     (ma, na), (mb, nb) = medians(a), medians(b)
-    print(f"{'median over steps 2..':<24} {'A (' + str(na) + ' steps)':>14} {'B (' + str(nb) + ' steps)':>14} {'B / A':>7}")
+    print(
+        f"{'median over steps 2..':<24} {'A (' + str(na) + ' steps)':>14} "
+        f"{'B (' + str(nb) + ' steps)':>14} {'B / A':>7}"
+    )
     for key in [k for k in ma if k in mb]:
         ratio = mb[key] / ma[key] if ma[key] else float("nan")
         print(f"{key:<24} {ma[key]:>14.4g} {mb[key]:>14.4g} {ratio:>7.3f}")

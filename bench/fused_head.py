@@ -1,7 +1,8 @@
 """Peak memory and time of the update's output layer, forward and backward, with and without
 --use_fused_kernels, at the shape of a real model.
 
-    python bench/fused_head.py [--tokens 4096 12288] [--hidden 896] [--vocab 151936] [--dtype bfloat16]
+    python bench/fused_head.py [--tokens 4096 12288] [--hidden 896] [--vocab 151936] [--dtype
+    bfloat16]
                                [--ways logits fused]
 
 For each token count, each way runs in a fresh process: the hidden states (K, H) and the output
@@ -27,15 +28,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def one(way, tokens, hidden_size, vocab, dtype, out):
     """Run one way in this process and write its numbers (and the gradients) to `out`."""
     import torch
+
     sys.path.insert(0, ROOT)
     import sharding
-    import train_grpo
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, dtype)
     g = torch.Generator(device=device).manual_seed(0)
-    hidden = (torch.randn(tokens, hidden_size, generator=g, device=device) * 0.5).to(dtype).requires_grad_()
-    weight = (torch.randn(vocab, hidden_size, generator=g, device=device) * 0.05).to(dtype).requires_grad_()
+    hidden = (
+        (torch.randn(tokens, hidden_size, generator=g, device=device) * 0.5)
+        .to(dtype)
+        .requires_grad_()
+    )
+    weight = (
+        (torch.randn(vocab, hidden_size, generator=g, device=device) * 0.05)
+        .to(dtype)
+        .requires_grad_()
+    )
     targets = torch.randint(0, vocab, (tokens,), generator=g, device=device)
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -43,8 +52,9 @@ def one(way, tokens, hidden_size, vocab, dtype, out):
     start = time.perf_counter()
     try:
         if way == "fused":
-            log_probs, entropy = sharding.ChunkedLogProbs.apply(hidden, weight, targets, 1.0,
-                                                                max(1, 2**28 // vocab))
+            log_probs, entropy = sharding.ChunkedLogProbs.apply(
+                hidden, weight, targets, 1.0, max(1, 2**28 // vocab)
+            )
         else:
             logits = hidden @ weight.T
             log_probs, entropy = sharding.token_log_probs(logits, targets, 1.0, with_entropy=True)
@@ -59,7 +69,9 @@ def one(way, tokens, hidden_size, vocab, dtype, out):
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     seconds = time.perf_counter() - start
-    torch.save({"hidden": hidden.grad.float().cpu(), "weight": weight.grad.float().cpu()}, out + ".pt")
+    torch.save(
+        {"hidden": hidden.grad.float().cpu(), "weight": weight.grad.float().cpu()}, out + ".pt"
+    )
     inputs = (hidden.numel() + weight.numel()) * hidden.element_size()
     with open(out, "w") as f:
         json.dump({"peak": peak, "seconds": seconds, "inputs": inputs, "device": device.type}, f)
@@ -69,16 +81,39 @@ def main(a):
     import tempfile
 
     import torch
-    print(f"output layer ({a.vocab} x {a.hidden}, {a.dtype}), forward + backward of log-probs and entropy")
-    print(f"{'tokens':>7} {'way':>7} {'peak GB':>8} {'inputs GB':>9} {'seconds':>8} {'max |grad diff|':>16}")
+
+    print(
+        f"output layer ({a.vocab} x {a.hidden}, {a.dtype}), forward + backward of log-probs and "
+        f"entropy"
+    )
+    print(
+        f"{'tokens':>7} {'way':>7} {'peak GB':>8} {'inputs GB':>9} {'seconds':>8} "
+        f"{'max |grad diff|':>16}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for tokens in a.tokens:
             results = {}
             for way in a.ways:
                 out = os.path.join(tmp, f"{way}_{tokens}.json")
-                subprocess.run([sys.executable, __file__, "--one", way, "--tokens", str(tokens), "--hidden",
-                                str(a.hidden), "--vocab", str(a.vocab), "--dtype", a.dtype, "--out", out],
-                               check=True)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--one",
+                        way,
+                        "--tokens",
+                        str(tokens),
+                        "--hidden",
+                        str(a.hidden),
+                        "--vocab",
+                        str(a.vocab),
+                        "--dtype",
+                        a.dtype,
+                        "--out",
+                        out,
+                    ],
+                    check=True,
+                )
                 r = json.load(open(out))
                 if r.get("oom"):
                     print(f"{tokens:>7} {way:>7} out of memory", flush=True)
@@ -86,11 +121,16 @@ def main(a):
                 results[way] = r, torch.load(out + ".pt")
             diff = float("nan")
             if len(results) == 2:
-                diff = max((results["fused"][1][k] - results["logits"][1][k]).abs().max().item()
-                           for k in ("hidden", "weight"))
+                diff = max(
+                    (results["fused"][1][k] - results["logits"][1][k]).abs().max().item()
+                    for k in ("hidden", "weight")
+                )
             for way, (r, _) in results.items():
-                print(f"{tokens:>7} {way:>7} {r['peak'] / 1e9:>8.2f} {r['inputs'] / 1e9:>9.2f} {r['seconds']:>8.2f}"
-                      f" {diff if way == 'fused' else 0.0:>16.3g}", flush=True)
+                print(
+                    f"{tokens:>7} {way:>7} {r['peak'] / 1e9:>8.2f} {r['inputs'] / 1e9:>9.2f} "
+                    f"{r['seconds']:>8.2f} {diff if way == 'fused' else 0.0:>16.3g}",
+                    flush=True,
+                )
             print(f"# peak on {r['device']}", flush=True)
 
 
@@ -99,9 +139,18 @@ if __name__ == "__main__":
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--hidden", type=int, default=896, help="Qwen2.5-0.5B's; Qwen3-1.7B: 2048")
     p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--dtype", default="float32", help="float32 on CPU; bfloat16 as the trainer computes on a GPU")
-    p.add_argument("--ways", nargs="+", choices=["logits", "fused"], default=["logits", "fused"],
-                   help="leave out `logits` at token counts whose logits do not fit")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="float32 on CPU; bfloat16 as the trainer computes on a GPU",
+    )
+    p.add_argument(
+        "--ways",
+        nargs="+",
+        choices=["logits", "fused"],
+        default=["logits", "fused"],
+        help="leave out `logits` at token counts whose logits do not fit",
+    )
     p.add_argument("--one", choices=["logits", "fused"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -1,4 +1,5 @@
-"""Write a synthetic arithmetic task as parquet in verl's format: python data/arith.py [--local_save_dir DIR]
+"""Write a synthetic arithmetic task as parquet in verl's format: python data/arith.py
+[--local_save_dir DIR]
 
 Every two-digit addition whose ones column carries ("47+38", 8 + 7 >= 10): 81 x 45 = 3,645 problems,
 shuffled with a seed and split into a train and a held-out test set. The demo (demo.py) trains on
@@ -7,11 +8,14 @@ RL has to fix is easy to see. Rows have the columns and types of data/gsm8k.py:
 
     column        type                                          example
     data_source   string                                        "arith"
-    prompt        list<struct<role: string, content: string>>   [{"role": "user", "content": "47+38=? " + INSTR}]
+    prompt        list<struct<role: string, content: string>>   [{"role": "user", "content":
+                                                                "47+38=? " + INSTR}]
     ability       string                                        "math"
-    reward_model  struct<style: string, ground_truth: string>   {"style": "rule", "ground_truth": "85"}
+    reward_model  struct<style: string, ground_truth: string>   {"style": "rule", "ground_truth":
+                                                                "85"}
     extra_info    struct<split: string, index: int64,           {"split": "train", "index": 0,
-                         answer: string, question: string>       "answer": "85", "question": "47+38"}
+                         answer: string, question: string>       "answer": "85", "question":
+                                                                 "47+38"}
 
 INSTR is INSTRUCTION below; reward.py scores a response 1.0 when its first number is ground_truth.
 """
@@ -62,8 +66,12 @@ def main(local_save_dir="~/data/arith", n_test=500, seed=0):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--local_save_dir", default="~/data/arith", help="where train/test.parquet are written")
+    parser.add_argument(
+        "--local_save_dir", default="~/data/arith", help="where train/test.parquet are written"
+    )
     parser.add_argument("--n_test", type=int, default=500, help="problems held out for validation")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the shuffle that splits train / test")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the shuffle that splits train / test"
+    )
     args = parser.parse_args()
     main(args.local_save_dir, args.n_test, args.seed)

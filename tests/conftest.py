@@ -7,14 +7,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-# `make test` runs the test files on two workers (pytest-xdist, --dist loadfile --no-loadscope-reorder),
-# handing out whole files in the order collected. The files that launch the train scripts take minutes
-# each: they go first, longest first (seconds of one worker on 2 cores, 2026-12-01: 350, 280, 190, 180,
-# 130, 100, 100, 70), and the quick files fill in at the end, so the two workers finish close together.
-SLOW_FIRST = ["test_train_grpo.py", "test_train_ppo.py", "test_engine_pool.py", "test_train_grpo_filter.py",
-              "test_bench.py", "test_train_grpo_off_policy.py", "test_engine.py", "test_gpu_scripts.py"]
+# `make test` runs the test files on two workers (pytest-xdist, --dist loadfile
+# --no-loadscope-reorder), handing out whole files in the order collected. The files that launch the
+# train scripts take minutes each: they go first, longest first (seconds of one worker on 2 cores,
+# 2026-12-01: 350, 280, 190, 180, 130, 100, 100, 70), and the quick files fill in at the end, so the
+# two workers finish close together.
+SLOW_FIRST = [
+    "test_train_grpo.py",
+    "test_train_ppo.py",
+    "test_engine_pool.py",
+    "test_train_grpo_filter.py",
+    "test_bench.py",
+    "test_train_grpo_off_policy.py",
+    "test_engine.py",
+    "test_gpu_scripts.py",
+]
 
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: a file's tests keep their order
+    # stable: a file's tests keep their order
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))

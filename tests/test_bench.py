@@ -1,5 +1,5 @@
-"""bench/: the speed of light of a step and the scaling efficiency, worked by hand; the printed tables;
-profile_step and random_model on a tiny model."""
+"""bench/: the speed of light of a step and the scaling efficiency, worked by hand; the printed
+tables; profile_step and random_model on a tiny model."""
 
 import json
 import os
@@ -8,18 +8,33 @@ import time
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+)
 import ab_table  # noqa: E402
 import bench_engine  # noqa: E402
 import learn_table  # noqa: E402
 import phase_table  # noqa: E402
 import scaling_table  # noqa: E402
 
-ROW = {"step": 1, "timing_s/gen": 10.0, "timing_s/old_log_prob": 2.0, "timing_s/update_actor": 4.0,
-       "timing_s/update_weights": 0.5, "timing_s/step": 17.0, "perf/gen_tokens_per_s": 1000.0,
-       "perf/tflops/old_log_prob": 50.0, "perf/tflops/actor": 100.0, "perf/mfu/old_log_prob": 0.05,
-       "perf/mfu/actor": 0.1, "perf/peak_tflops": 1000.0, "perf/weight_sync_gb_s": 2.0,
-       "critic/score/mean": 0.5, "response_length/mean": 100.0, "perf/max_memory_allocated_gb": 10.0}
+ROW = {
+    "step": 1,
+    "timing_s/gen": 10.0,
+    "timing_s/old_log_prob": 2.0,
+    "timing_s/update_actor": 4.0,
+    "timing_s/update_weights": 0.5,
+    "timing_s/step": 17.0,
+    "perf/gen_tokens_per_s": 1000.0,
+    "perf/tflops/old_log_prob": 50.0,
+    "perf/tflops/actor": 100.0,
+    "perf/mfu/old_log_prob": 0.05,
+    "perf/mfu/actor": 0.1,
+    "perf/peak_tflops": 1000.0,
+    "perf/weight_sync_gb_s": 2.0,
+    "critic/score/mean": 0.5,
+    "response_length/mean": 100.0,
+    "perf/max_memory_allocated_gb": 10.0,
+}
 
 
 def test_speed_of_light_by_hand():
@@ -31,29 +46,45 @@ def test_speed_of_light_by_hand():
 
 def test_table_and_summary(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
-    peaks = lambda gen, update: {"perf/max_memory_allocated_gb/gen": gen,  # noqa: E731
-                                 "perf/max_memory_allocated_gb/update_actor": update}
-    rows = [{"step": 0, "val-core/x/reward/mean@1": 0.1}, ROW | {"timing_s/since_launch": 95.4} | peaks(90.0, 80.0),
-            ROW | {"step": 2, "timing_s/step": 15.0} | peaks(91.0, 40.0),
-            ROW | {"step": 3, "timing_s/step": 15.0} | peaks(93.0, 42.0)]
+    peaks = lambda gen, update: {
+        "perf/max_memory_allocated_gb/gen": gen,  # noqa: E731
+        "perf/max_memory_allocated_gb/update_actor": update,
+    }
+    rows = [
+        {"step": 0, "val-core/x/reward/mean@1": 0.1},
+        ROW | {"timing_s/since_launch": 95.4} | peaks(90.0, 80.0),
+        ROW | {"step": 2, "timing_s/step": 15.0} | peaks(91.0, 40.0),
+        ROW | {"step": 3, "timing_s/step": 15.0} | peaks(93.0, 42.0),
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     phase_table.main(str(path), 2000.0)
     out = capsys.readouterr().out
     assert "MFU actor" in out and "MFU ref" not in out  # only phases that ran
     # the median over steps after the first: 15 s against 6.25 s
     assert "median step 15.0 s; speed of light 6.2 s" in out and "2.40x" in out
-    # per phase, the median over steps 2-3 (step 1 compiles): gen (91 + 93) / 2, update (40 + 42) / 2
+    # per phase, the median over steps 2-3 (step 1 compiles): gen (91 + 93) / 2, update (40 + 42)
+    # / 2
     assert "median peak GiB per phase: gen 92.0, update_actor 41.0" in out
     assert "step 1 ended 95 s after launch (17 s of it in the step)" in out
 
 
 def test_ab_table_by_hand(tmp_path, capsys):
     """Medians over the steps after the first, side by side, and B / A."""
+
     def run(name, steps, gap):  # steps: (timing_s/step, timing_s/gen) per step
-        rows = [{"step": i + 1, "timing_s/step": s, "timing_s/gen": g, "rollout/logprob_gap_mean": gap,
-                 "timing_s/since_launch": 90.0 + 10 * i} for i, (s, g) in enumerate(steps)]
+        rows = [
+            {
+                "step": i + 1,
+                "timing_s/step": s,
+                "timing_s/gen": g,
+                "rollout/logprob_gap_mean": gap,
+                "timing_s/since_launch": 90.0 + 10 * i,
+            }
+            for i, (s, g) in enumerate(steps)
+        ]
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         return str(tmp_path / name)
+
     # A: steps 2-4 take 20, 22, 30 s (median 22); B: 21, 23, 25 (median 23) -> 23 / 22 = 1.045
     a = run("a.jsonl", [(80, 50), (20, 10), (22, 11), (30, 12)], 0.0125)
     b = run("b.jsonl", [(70, 40), (21, 10), (23, 10), (25, 10)], 0.0125)
@@ -68,37 +99,63 @@ def test_ab_table_by_hand(tmp_path, capsys):
 
 
 def test_learn_table_by_hand(tmp_path, capsys):
-    """Training time sums the steps; wall time adds validation and checkpoints; a step run again after
-    a resume counts once, as its later line; the summary reads the last validation within the budget."""
-    val = lambda strict, flexible=None: {"val-core/a/reward/mean@1": strict} | (  # noqa: E731
-        {} if flexible is None else {"val-core/a/reward_flexible/mean@1": flexible})
-    rows = [{"step": 0} | val(0.0, 0.2),
-            {"step": 1, "timing_s/step": 30.0},
-            {"step": 2, "timing_s/step": 60.0, "timing_s/testing": 6.0, "timing_s/save_checkpoint": 3.0}
-            | val(0.5, 0.4),
-            {"step": 3, "timing_s/step": 100.0},  # stopped here; resumed from step 2's checkpoint
-            {"step": 3, "timing_s/step": 40.0},
-            {"step": 4, "timing_s/step": 20.0, "timing_s/testing": 7.0} | val(0.6)]
+    """Training time sums the steps; wall time adds validation and checkpoints; a step run again
+    after a resume counts once, as its later line; the summary reads the last validation within the
+    budget."""
+    val = lambda strict, flexible=None: (
+        {"val-core/a/reward/mean@1": strict}
+        | (  # noqa: E731
+            {} if flexible is None else {"val-core/a/reward_flexible/mean@1": flexible}
+        )
+    )
+    rows = [
+        {"step": 0} | val(0.0, 0.2),
+        {"step": 1, "timing_s/step": 30.0},
+        {"step": 2, "timing_s/step": 60.0, "timing_s/testing": 6.0, "timing_s/save_checkpoint": 3.0}
+        | val(0.5, 0.4),
+        {"step": 3, "timing_s/step": 100.0},  # stopped here; resumed from step 2's checkpoint
+        {"step": 3, "timing_s/step": 40.0},
+        {"step": 4, "timing_s/step": 20.0, "timing_s/testing": 7.0} | val(0.6),
+    ]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     learn_table.main(str(path), minutes=2.5)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "| step | training time | wall time (with validation, checkpoints) | a strict | a flexible |"
-    # training: 30 + 60 = 90 s; then + 40 + 20 = 150 s. wall: 90 + 6 + 3 = 99 s; then 99 + 40 + 20 + 7 = 166 s
-    assert lines[2:5] == ["| 0 | 0.0 min | 0.0 min | 0.000 | 0.200 |", "| 2 | 1.5 min | 1.6 min | 0.500 | 0.400 |",
-                          "| 4 | 2.5 min | 2.8 min | 0.600 |  |"]
-    assert lines[5] == "within 2.5 minutes of training: step 4 (2.5 min): a strict 0.000 -> 0.600"  # no flexible
+    assert (
+        lines[0]
+        == "| step | training time | wall time (with validation, checkpoints) | a strict | a "
+        "flexible |"
+    )
+    # training: 30 + 60 = 90 s; then + 40 + 20 = 150 s. wall: 90 + 6 + 3 = 99 s; then 99 + 40 + 20
+    # + 7 = 166 s
+    assert lines[2:5] == [
+        "| 0 | 0.0 min | 0.0 min | 0.000 | 0.200 |",
+        "| 2 | 1.5 min | 1.6 min | 0.500 | 0.400 |",
+        "| 4 | 2.5 min | 2.8 min | 0.600 |  |",
+    ]
+    # no flexible
+    assert lines[5] == "within 2.5 minutes of training: step 4 (2.5 min): a strict 0.000 -> 0.600"
     learn_table.main(str(path), minutes=2)
-    assert capsys.readouterr().out.splitlines()[-1] == ("within 2 minutes of training: step 2 (1.5 min): "
-                                                        "a strict 0.000 -> 0.500, a flexible 0.200 -> 0.400")
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "within 2 minutes of training: step 2 (1.5 min): "
+        "a strict 0.000 -> 0.500, a flexible 0.200 -> 0.400"
+    )
     learn_table.main(str(path), minutes=1)  # the validation before step 1 is within any budget
-    assert capsys.readouterr().out.splitlines()[-1].startswith("within 1 minutes of training: step 0 (0.0 min)")
+    assert (
+        capsys.readouterr()
+        .out.splitlines()[-1]
+        .startswith("within 1 minutes of training: step 0 (0.0 min)")
+    )
     path.write_text("".join(json.dumps(r) + "\n" for r in rows[1:]))  # no validation before step 1
     learn_table.main(str(path), minutes=1)
     assert capsys.readouterr().out.splitlines()[-1] == "no validation within 1 minutes of training"
     # a shaped reward that logs the strict score as "acc": that column is the strict one
-    acc = {"step": 0, "val-core/a/acc/mean@1": 0.0, "val-core/a/reward/mean@1": 0.1,
-           "val-core/a/reward_flexible/mean@1": 0.2}
+    acc = {
+        "step": 0,
+        "val-core/a/acc/mean@1": 0.0,
+        "val-core/a/reward/mean@1": 0.1,
+        "val-core/a/reward_flexible/mean@1": 0.2,
+    }
     path.write_text(json.dumps(acc) + "\n")
     learn_table.main(str(path))
     lines = capsys.readouterr().out.splitlines()
@@ -113,14 +170,32 @@ def test_learn_table_by_hand(tmp_path, capsys):
 
 
 def test_learn_table_summary_by_hand(tmp_path, capsys):
-    """One row per run: the start, the last validation within the budget, the last of all; a shaped reward's
-    strict score ("acc") is the strict one; a run without validation says so."""
+    """One row per run: the start, the last validation within the budget, the last of all; a shaped
+    reward's strict score ("acc") is the strict one; a run without validation says so."""
     a, b, c = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
-    a.write_text("".join(json.dumps(r) + "\n" for r in [
-        {"step": 0, "val-core/x/reward/mean@1": 0.0, "val-core/x/reward_flexible/mean@1": 0.25},
-        {"step": 1, "timing_s/step": 300.0, "val-core/x/reward/mean@1": 0.2, "val-core/x/reward_flexible/mean@1": 0.3},
-        {"step": 2, "timing_s/step": 360.0, "val-core/x/reward/mean@1": 0.4}]))
-    b.write_text(json.dumps({"step": 0, "val-core/x/acc/mean@1": 0.1, "val-core/x/reward/mean@1": 0.5}) + "\n")
+    a.write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [
+                {
+                    "step": 0,
+                    "val-core/x/reward/mean@1": 0.0,
+                    "val-core/x/reward_flexible/mean@1": 0.25,
+                },
+                {
+                    "step": 1,
+                    "timing_s/step": 300.0,
+                    "val-core/x/reward/mean@1": 0.2,
+                    "val-core/x/reward_flexible/mean@1": 0.3,
+                },
+                {"step": 2, "timing_s/step": 360.0, "val-core/x/reward/mean@1": 0.4},
+            ]
+        )
+    )
+    b.write_text(
+        json.dumps({"step": 0, "val-core/x/acc/mean@1": 0.1, "val-core/x/reward/mean@1": 0.5})
+        + "\n"
+    )
     c.write_text(json.dumps({"step": 1, "timing_s/step": 1.0}) + "\n")
     learn_table.summary([str(a), str(b), str(c)], minutes=10)
     lines = capsys.readouterr().out.splitlines()
@@ -133,16 +208,28 @@ def test_learn_table_summary_by_hand(tmp_path, capsys):
 
 def test_host_profile_sorts_own_time_by_part(capsys):
     site = "/venv/lib/python3.11/site-packages/"
-    assert bench_engine.part_of(site + "vllm/v1/core/sched/scheduler.py", "schedule").startswith("scheduler")
-    assert bench_engine.part_of(site + "vllm/v1/core/kv_cache_manager.py", "allocate_slots").startswith("scheduler")
-    assert bench_engine.part_of(site + "vllm/v1/engine/output_processor.py", "process_outputs").startswith("engine")
+    assert bench_engine.part_of(site + "vllm/v1/core/sched/scheduler.py", "schedule").startswith(
+        "scheduler"
+    )
+    assert bench_engine.part_of(
+        site + "vllm/v1/core/kv_cache_manager.py", "allocate_slots"
+    ).startswith("scheduler")
+    assert bench_engine.part_of(
+        site + "vllm/v1/engine/output_processor.py", "process_outputs"
+    ).startswith("engine")
     runner = site + "vllm/v1/worker/gpu_model_runner.py"
     assert bench_engine.part_of(runner, "_update_states").startswith("model runner")
     assert bench_engine.part_of(site + "vllm/config/vllm.py", "__post_init__") == "other vLLM"
-    assert bench_engine.part_of("~", "<built-in method torch._C._nn.linear>") == "torch: ops and launches"
+    assert (
+        bench_engine.part_of("~", "<built-in method torch._C._nn.linear>")
+        == "torch: ops and launches"
+    )
     waits = "torch: waits for results (tolist, item, cpu, sync)"
     assert bench_engine.part_of("~", "<method 'tolist' of 'torch._C.TensorBase' objects>") == waits
-    assert bench_engine.part_of("~", "<method 'synchronize' of 'torch._C._CudaEventBase' objects>") == waits
+    assert (
+        bench_engine.part_of("~", "<method 'synchronize' of 'torch._C._CudaEventBase' objects>")
+        == waits
+    )
     assert bench_engine.part_of("~", "<method 'item' of 'torch._C.TensorBase' objects>") == waits
     assert bench_engine.part_of("~", "<built-in method builtins.len>") == "Python built-ins"
     assert bench_engine.part_of("/work/rollout.py", "generate") == "other Python"
@@ -152,9 +239,11 @@ def test_host_profile_sorts_own_time_by_part(capsys):
         for i in range(300_000):
             total += i * i
         return total
+
     res = bench_engine.host_profile(squares, top=2)
     assert res["wall_s"] > 0 and res["other Python"] > 0
-    assert sum(v for k, v in res.items() if k != "wall_s") <= res["wall_s"] * 1.05  # own times add up to the call
+    # own times add up to the call
+    assert sum(v for k, v in res.items() if k != "wall_s") <= res["wall_s"] * 1.05
     out = capsys.readouterr().out
     assert "host time under cProfile" in out and "squares" in out and "the 2 functions" in out
 
@@ -165,14 +254,29 @@ def test_busy_while_averages_what_it_read_after_settling():
     def read():  # what the driver would report: its window covers the idle time before fn for 0.2 s
         values.append(0 if time.perf_counter() - t0 < 0.2 else 40 + 20 * (len(values) % 2))
         return values[-1]
+
     ran = []
-    result, busy = bench_engine.busy_while(lambda: (time.sleep(0.6), ran.append(1))[1], read, period=0.02,
-                                           settle_s=0.25)
+    result, busy = bench_engine.busy_while(
+        lambda: (time.sleep(0.6), ran.append(1))[1], read, period=0.02, settle_s=0.25
+    )
     assert result is None and ran == [1] and len(values) >= 5
-    assert 0 not in values and 40 <= busy <= 60  # nothing read while the driver's window covers the time before
-    assert bench_engine.busy_while(lambda: ran.append(2) or 7, read, settle_s=5.0) == (7, None)  # ended too soon
-    assert bench_engine.busy_while(lambda: time.sleep(0.2), lambda: None, period=0.02, settle_s=0.0)[1] is None
-    assert bench_engine.busy_while(lambda: ran.append(3) or 8, None) == (8, None) and ran == [1, 2, 3]  # no reader
+    # nothing read while the driver's window covers the time before
+    assert 0 not in values and 40 <= busy <= 60
+    # ended too soon
+    assert bench_engine.busy_while(lambda: ran.append(2) or 7, read, settle_s=5.0) == (
+        7,
+        None,
+    )
+    assert (
+        bench_engine.busy_while(lambda: time.sleep(0.2), lambda: None, period=0.02, settle_s=0.0)[1]
+        is None
+    )
+    # no reader
+    assert bench_engine.busy_while(lambda: ran.append(3) or 8, None) == (8, None) and ran == [
+        1,
+        2,
+        3,
+    ]
     if not bench_engine.GPU:
         assert bench_engine.nvml_gpu_busy() is None
 
@@ -180,21 +284,37 @@ def test_busy_while_averages_what_it_read_after_settling():
 def test_scaling_table_by_hand(tmp_path, capsys):
     def run(name, thr, steps, gap=0.01):
         path = tmp_path / f"{name}.jsonl"
-        rows = [ROW | {"step": i + 1, "timing_s/step": t, "perf/throughput": x, "rollout/logprob_gap_mean": gap,
-                       "perf/max_memory_allocated_gb": 10.0 + i, "timing_s/since_launch": 60.0 * (i + 1)}
-                for i, (t, x) in enumerate(zip(steps, thr))]
+        rows = [
+            ROW
+            | {
+                "step": i + 1,
+                "timing_s/step": t,
+                "perf/throughput": x,
+                "rollout/logprob_gap_mean": gap,
+                "perf/max_memory_allocated_gb": 10.0 + i,
+                "timing_s/since_launch": 60.0 * (i + 1),
+            }
+            for i, (t, x) in enumerate(zip(steps, thr))
+        ]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return str(path)
-    # the first step is warm-up: medians over steps 2-3. 1 GPU: 1000 tok/s/GPU; 2 GPUs: median(900, 700) = 800
+
+    # the first step is warm-up: medians over steps 2-3. 1 GPU: 1000 tok/s/GPU; 2 GPUs: median(900,
+    # 700) = 800
     one = run("one", [50.0, 1000.0, 1000.0], [30.0, 20.0, 20.0])
     two = run("two", [50.0, 900.0, 700.0], [30.0, 11.0, 13.0])
-    assert scaling_table.summary(two)["throughput"] == 800.0 and scaling_table.summary(two)["step"] == 12.0
+    assert (
+        scaling_table.summary(two)["throughput"] == 800.0
+        and scaling_table.summary(two)["step"] == 12.0
+    )
     assert scaling_table.summary(two)["peak_gb"] == 12.0  # the largest over all steps
     scaling_table.main([f"1:1:{one}", f"2:2:{two}"])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[:2] == ["GPUs", "TP"] and "values" not in lines[0]  # only phases that ran
+    # only phases that ran
+    assert lines[0].split()[:2] == ["GPUs", "TP"] and "values" not in lines[0]
     assert lines[2].split()[:2] == ["2", "2"] and "0.80" in lines[2].split()  # 800 / 1000
-    assert lines[0].split()[-3:] == ["first", "step", "s"] and lines[2].split()[-1] == "60"  # step 1's
+    # step 1's
+    assert lines[0].split()[-3:] == ["first", "step", "s"] and lines[2].split()[-1] == "60"
 
 
 def test_profile_step_runs_on_a_tiny_model(tmp_path):
@@ -203,29 +323,72 @@ def test_profile_step_runs_on_a_tiny_model(tmp_path):
     import subprocess
 
     from bench.tiny import make_tiny_model
+
     model = make_tiny_model(str(tmp_path / "model"))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "MASTER_PORT": "29713"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
-                           "--master_port", "29713", "bench/profile_step.py", "--model", model, "--sequences", "8",
-                           "--mini_batch", "4", "--max_response_length", "32", "--log_prob_tokens", "512",
-                           "--update_tokens", "256", "--repeats", "1", "--modes", "eager", "train", "fused", "--out",
-                           str(tmp_path / "out")],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=1",
+            "--master_port",
+            "29713",
+            "bench/profile_step.py",
+            "--model",
+            model,
+            "--sequences",
+            "8",
+            "--mini_batch",
+            "4",
+            "--max_response_length",
+            "32",
+            "--log_prob_tokens",
+            "512",
+            "--update_tokens",
+            "256",
+            "--repeats",
+            "1",
+            "--modes",
+            "eager",
+            "train",
+            "fused",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [line.split()[:2] for line in proc.stdout.splitlines() if line.startswith(("eager", "train", "fused"))]
-    assert rows == [["eager", "log_prob"], ["eager", "update"], ["train", "log_prob"], ["train", "update"],
-                    ["fused", "log_prob"], ["fused", "update"]], proc.stdout
+    rows = [
+        line.split()[:2]
+        for line in proc.stdout.splitlines()
+        if line.startswith(("eager", "train", "fused"))
+    ]
+    assert rows == [
+        ["eager", "log_prob"],
+        ["eager", "update"],
+        ["train", "log_prob"],
+        ["train", "update"],
+        ["fused", "log_prob"],
+        ["fused", "update"],
+    ], proc.stdout
     assert "top operators" in proc.stdout
     for mode in ("eager", "train", "fused"):
         assert f"# {mode}: one update micro-batch of " in proc.stdout, proc.stdout
     for mode in ("train", "fused"):
-        diff = [line for line in proc.stdout.splitlines() if line.startswith(f"# {mode}: |log-prob")]
+        diff = [
+            line for line in proc.stdout.splitlines() if line.startswith(f"# {mode}: |log-prob")
+        ]
         assert len(diff) == 1 and float(diff[0].split()[-3].rstrip(",")) < 1e-4, proc.stdout
     for name in ("profile_log_prob.txt", "profile_update.txt"):
         assert "aten::" in (tmp_path / "out" / name).read_text()
     # the compile summary: the train mode compiled graphs, and reports where the time went
-    summary = proc.stdout[proc.stdout.index("torch.compile: "):]
+    summary = proc.stdout[proc.stdout.index("torch.compile: ") :]
     assert int(summary.split()[1]) > 0 and "_compile.compile_inner" in summary, summary
 
 
@@ -234,14 +397,28 @@ def test_random_model_has_the_shape_and_the_tokenizer(tmp_path, monkeypatch):
     from transformers import AutoConfig, AutoTokenizer
 
     from bench.tiny import make_tiny_model
+
     tok_dir = make_tiny_model(str(tmp_path / "tok"))
-    small = dict(random_model.SHAPES["qwen3-1.7b"], vocab_size=320, hidden_size=64, intermediate_size=128,
-                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    small = dict(
+        random_model.SHAPES["qwen3-1.7b"],
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     monkeypatch.setitem(random_model.SHAPES, "small-qwen3", small)
     out = random_model.make("small-qwen3", tok_dir, str(tmp_path / "m"))
     config = AutoConfig.from_pretrained(out)
-    assert config.model_type == "qwen3" and config.num_key_value_heads == 2 and config.head_dim == 16
-    assert AutoTokenizer.from_pretrained(out).chat_template == AutoTokenizer.from_pretrained(tok_dir).chat_template
+    assert (
+        config.model_type == "qwen3" and config.num_key_value_heads == 2 and config.head_dim == 16
+    )
+    assert (
+        AutoTokenizer.from_pretrained(out).chat_template
+        == AutoTokenizer.from_pretrained(tok_dir).chat_template
+    )
     assert not os.path.exists(out + ".tmp")
 
 
@@ -251,8 +428,22 @@ def test_fused_head_bench_runs_both_ways_and_agrees(tmp_path):
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "bench/fused_head.py", "--tokens", "64", "--hidden", "16", "--vocab", "512"],
-                          cwd=root, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "bench/fused_head.py",
+            "--tokens",
+            "64",
+            "--hidden",
+            "16",
+            "--vocab",
+            "512",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("64 ")]
     assert [r[1] for r in rows] == ["logits", "fused"], proc.stdout
@@ -275,55 +466,84 @@ time.sleep(120)
 def test_limit_signals_the_workers_and_lets_them_finish(tmp_path, after):
     """bench/limit.sh at its limit signals torchrun's workers only: torchrun, told to give them 1 s
     after a signal of its own, waits for them as they take 4 s to checkpoint and exit cleanly. Also
-    when a command follows torchrun's: its shell then waits for torchrun, and its command line names it.
-    A torchrun whose workers have not started yet gets the signal itself."""
+    when a command follows torchrun's: its shell then waits for torchrun, and its command line names
+    it. A torchrun whose workers have not started yet gets the signal itself."""
     import subprocess
     import time
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = tmp_path / "slow_stop.py"
     script.write_text(SLOW_STOP)
     env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1"}
-    cmd = (f"{sys.executable} -m torch.distributed.run --nproc_per_node=2 --master_port 0 {script} "
-           f"{tmp_path}/saved{after}")
+    cmd = (
+        f"{sys.executable} -m torch.distributed.run --nproc_per_node=2 --master_port 0 {script} "
+        f"{tmp_path}/saved{after}"
+    )
     start = time.monotonic()
     # 15 s: the workers have started and set their handler by then, on a slow machine too (a 2-core
     # machine took more than 2 s)
-    proc = subprocess.run(["bash", os.path.join(root, "bench/limit.sh"), "15", "60", cmd], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        ["bash", os.path.join(root, "bench/limit.sh"), "15", "60", cmd],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.glob("saved.*")) == ["saved.0", "saved.1"]
     assert time.monotonic() - start < 50  # ended with the workers, not at the grace period's end
     # a limit reached before torchrun has started its workers stops torchrun itself, at once
     start = time.monotonic()
     early = cmd.replace(f"{tmp_path}/saved", f"{tmp_path}/early")
-    proc = subprocess.run(["bash", os.path.join(root, "bench/limit.sh"), "0", "60", early], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and not list(tmp_path.glob("early.*"))  # no worker ran to checkpoint
+    proc = subprocess.run(
+        ["bash", os.path.join(root, "bench/limit.sh"), "0", "60", early],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    # no worker ran to checkpoint
+    assert proc.returncode != 0 and not list(tmp_path.glob("early.*"))
     assert time.monotonic() - start < 30  # not at the grace period's end
     # a command without torchrun gets the signal itself
-    proc = subprocess.run(["bash", os.path.join(root, "bench/limit.sh"), "1", "30", "sleep 20"], timeout=60)
+    proc = subprocess.run(
+        ["bash", os.path.join(root, "bench/limit.sh"), "1", "30", "sleep 20"], timeout=60
+    )
     assert proc.returncode == 143  # 128 + SIGTERM
 
 
 def test_background_runs_past_its_caller_and_is_found_by_name(tmp_path):
     """bench/background.sh: a command started in its own session outlives the call that started it;
-    `wait` says whether it has ended (exit 1 while it runs, its status once it has), `start` refuses a
-    second run of one name, and `stop` ends the whole session, what the command started included."""
+    `wait` says whether it has ended (exit 1 while it runs, its status once it has), `start` refuses
+    a second run of one name, and `stop` ends the whole session, what the command started
+    included."""
     import subprocess
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "BG_DIR": str(tmp_path / "bg")}
 
     def bg(*args, timeout=60):
-        return subprocess.run(["bash", os.path.join(root, "bench/background.sh"), *args], env=env,
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            ["bash", os.path.join(root, "bench/background.sh"), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
-    assert bg("start", "quick", f"echo hello; echo err >&2; touch {tmp_path}/done; exit 3").returncode == 0
+    assert (
+        bg("start", "quick", f"echo hello; echo err >&2; touch {tmp_path}/done; exit 3").returncode
+        == 0
+    )
     waited = bg("wait", "quick", "30")
-    assert waited.returncode == 0 and "quick ended with status 3" in waited.stdout, waited.stdout + waited.stderr
+    assert waited.returncode == 0 and "quick ended with status 3" in waited.stdout, (
+        waited.stdout + waited.stderr
+    )
     assert (tmp_path / "bg" / "quick.log").read_text().split() == ["hello", "err"]
     assert (tmp_path / "done").exists()
 
-    # its caller gone (the start returned), the run goes on; a pid file, not a command line, finds it
+    # its caller gone (the start returned), the run goes on; a pid file, not a command line, finds
+    # it
     assert bg("start", "slow", f"sleep 60 & sleep 60; touch {tmp_path}/not_stopped").returncode == 0
     waited = bg("wait", "slow", "1")
     assert waited.returncode == 1 and "slow still running after" in waited.stdout
@@ -336,8 +556,14 @@ def test_background_runs_past_its_caller_and_is_found_by_name(tmp_path):
     assert waited.returncode == 0 and "status ? (killed)" in waited.stdout
     pid = (tmp_path / "bg" / "slow.pid").read_text().strip()
     left = subprocess.run(["pgrep", "-s", pid], capture_output=True, text=True)
-    assert left.stdout == "", left.stdout  # nothing of its session is left, the background sleep included
+    # nothing of its session is left, the background sleep included
+    assert left.stdout == "", left.stdout
     assert not (tmp_path / "not_stopped").exists()
 
-    for args in (("wait", "nobody", "1"), ("stop", "nobody"), ("wait", "quick", "soon"), ("start", "x")):
+    for args in (
+        ("wait", "nobody", "1"),
+        ("stop", "nobody"),
+        ("wait", "quick", "soon"),
+        ("start", "x"),
+    ):
         assert bg(*args).returncode == 2, args

@@ -1,19 +1,18 @@
-"""`compile_ahead` in both train scripts: a step's passes compiled on a made-up batch before the first step
-(while a pool of engines starts), leaving the weights as they were, so that the first step compiles nothing.
+"""`compile_ahead` in both train scripts: a step's passes compiled on a made-up batch before the
+first step (while a pool of engines starts), leaving the weights as they were, so that the first
+step compiles nothing.
 
-torch.compile runs with the aot_eager backend here: which graphs dynamo captures, and whether a later call
-needs another, does not depend on the backend, and inductor's code generation would take a minute on 2 cores.
+torch.compile runs with the aot_eager backend here: which graphs dynamo captures, and whether a
+later call needs another, does not depend on the backend, and inductor's code generation would take
+a minute on 2 cores.
 """
 
-import sharding
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import sharding
-import train_grpo
-import train_ppo
 from tests.tiny_model import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,14 +85,21 @@ for script in (train_grpo, train_ppo):
 
 def test_compile_ahead_leaves_the_weights_and_the_first_step_nothing_to_compile(tmp_path):
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run([sys.executable, "-c", COMPILE_AHEAD, str(tmp_path / "model")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", COMPILE_AHEAD, str(tmp_path / "model")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "train_grpo OK" in proc.stdout and "train_ppo OK" in proc.stdout, proc.stdout
 
 
 def test_made_up_batch_fills_the_largest_token_budget():
-    # 8 + 16 tokens a sequence: 160 // 24 = 6 sequences, the last with half the response (8 + 8): 128 tokens
+    # 8 + 16 tokens a sequence: 160 // 24 = 6 sequences, the last with half the response (8 + 8):
+    # 128 tokens
     samples, T = sharding.made_up_batch(16, 160)
     assert T == 16 and [(len(p), len(r)) for p, r in samples] == [(8, 16)] * 5 + [(8, 8)]
     samples, T = sharding.made_up_batch(16, 240)  # PPO's critic budget, when it is the largest

@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import demo
 import reward
+from bench.tiny import make_tiny_tokenizer
 from data import arith
 from data.dataset import load_rl_dataset
 from data.gsm8k import SCHEMA
-from bench.tiny import make_tiny_tokenizer
 from tests.tiny_model import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,22 +39,26 @@ def test_arith_parquet_has_verls_schema_and_a_held_out_test_split(tmp_path):
     assert row["data_source"] == "arith" and row["reward_model"]["ground_truth"] == str(a + b)
     assert row["prompt"] == [{"role": "user", "content": f"{a}+{b}=? {arith.INSTRUCTION}"}]
     assert all(int(q[1]) + int(q[4]) >= 10 for q in questions)  # every ones column carries
-    # the trainer's loader takes it: <|im_start|>user\n (6 tokens) + 31 + <|im_end|>\n<|im_start|>assistant\n (13)
+    # the trainer's loader takes it: <|im_start|>user\n (6 tokens) + 31
+    # + <|im_end|>\n<|im_start|>assistant\n (13)
     data = load_rl_dataset([paths["train"]], make_tiny_tokenizer(), max_prompt_length=64)
     assert len(data) == 3145 and {len(e.prompt_ids) for e in data.examples} == {50}
 
 
-@pytest.mark.parametrize("response, strict, flexible", [
-    ("85", 1.0, 1.0),
-    ("85<|im_end|>", 1.0, 1.0),            # as decoded with special tokens: the first number is still 85
-    ("85, because 7+8=15", 1.0, 1.0),      # first number 85
-    ("75", 0.0, 0.0),                      # the forgotten carry
-    ("the sum is 85", 1.0, 1.0),           # first number is 85: words before it do not matter
-    ("47+38 = 85", 0.0, 1.0),              # first number 47; 85 appears later
-    ("850", 0.0, 0.0),                     # a whole number, not a prefix
-    ("-85", 0.0, 0.0),
-    ("", 0.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "response, strict, flexible",
+    [
+        ("85", 1.0, 1.0),
+        ("85<|im_end|>", 1.0, 1.0),  # as decoded with special tokens: the first number is still 85
+        ("85, because 7+8=15", 1.0, 1.0),  # first number 85
+        ("75", 0.0, 0.0),  # the forgotten carry
+        ("the sum is 85", 1.0, 1.0),  # first number is 85: words before it do not matter
+        ("47+38 = 85", 0.0, 1.0),  # first number 47; 85 appears later
+        ("850", 0.0, 0.0),  # a whole number, not a prefix
+        ("-85", 0.0, 0.0),
+        ("", 0.0, 0.0),
+    ],
+)
 def test_arith_score_by_hand(response, strict, flexible):
     assert reward.compute_score("arith", response, "85") == strict
     assert reward.compute_score("arith", response, "85", method="flexible") == flexible
@@ -67,7 +71,9 @@ def test_sloppy_teacher_drops_the_ones_carry():
 
         def random(self):
             return self.x
-    assert demo.sloppy_answer(47, 38, 0.7, Always(0.5)) == 75  # 0.5 < 0.7: forgets; 4+3 tens, 5 ones
+
+    # 0.5 < 0.7: forgets; 4+3 tens, 5 ones
+    assert demo.sloppy_answer(47, 38, 0.7, Always(0.5)) == 75
     assert demo.sloppy_answer(47, 38, 0.7, Always(0.9)) == 85  # 0.9 >= 0.7: carries
     assert demo.sloppy_answer(95, 17, 1.0, Always(0.0)) == 102  # 9+1 tens, 2 ones, no carry
 
@@ -76,7 +82,9 @@ def test_warm_start_lowers_the_loss_and_saves_a_loadable_model(tmp_path):
     tokenizer = make_tiny_tokenizer()
     model = demo.build_model(demo.CONFIG["model"], tokenizer, seed=0)
     rows = arith.make_splits()["train"]
-    losses = demo.warm_start(model, tokenizer, rows, steps=10, batch_size=16, lr=3e-3, forget_carry=0.7, seed=0)
+    losses = demo.warm_start(
+        model, tokenizer, rows, steps=10, batch_size=16, lr=3e-3, forget_carry=0.7, seed=0
+    )
     assert losses[-1] < losses[0]
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
@@ -84,16 +92,27 @@ def test_warm_start_lowers_the_loss_and_saves_a_loadable_model(tmp_path):
     for (name, p), q in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(p, q), name
     tok = AutoTokenizer.from_pretrained(tmp_path)
-    ids = tok.apply_chat_template([rows[0]["prompt"]], add_generation_prompt=True, return_tensors="pt",
-                                  return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [rows[0]["prompt"]], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     out = loaded.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape[1] > ids.shape[1]
 
 
 def test_quick_demo_runs_the_trainer_end_to_end(tmp_path):
-    env = {**os.environ, "MASTER_PORT": str(free_port())}  # for the trainer's world-of-one process group
-    proc = subprocess.run([sys.executable, "demo.py", "--quick", "--out", str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    # for the trainer's world-of-one process group
+    env = {
+        **os.environ,
+        "MASTER_PORT": str(free_port()),
+    }
+    proc = subprocess.run(
+        [sys.executable, "demo.py", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     with open(tmp_path / "arith" / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]

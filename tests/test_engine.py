@@ -18,10 +18,9 @@ import pytest
 import torch
 
 import rollout
+from bench.tiny import make_tiny_model, make_tiny_tokenizer
 from rollout import HFEngine, group_share, logprob_gap, tp_layout
-from bench.tiny import make_tiny_tokenizer
 from tests.tiny_model import free_port
-from bench.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -31,7 +30,8 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 def test_tp_layout_blocks_of_consecutive_ranks():
-    # world 4, tp 2: ranks {0, 1} are group 0 and {2, 3} group 1, as vLLM's external launcher lays them out
+    # world 4, tp 2: ranks {0, 1} are group 0 and {2, 3} group 1, as vLLM's external launcher lays
+    # them out
     assert [tp_layout(r, 4, 2) for r in range(4)] == [(0, 2, 0), (0, 2, 1), (1, 2, 0), (1, 2, 1)]
     groups = {g: [r for r in range(8) if tp_layout(r, 8, 4)[0] == g] for g in range(2)}
     assert groups == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
@@ -47,7 +47,8 @@ def test_tp_layout_rejects_sizes_that_do_not_divide(world, tp):
 
 
 def test_group_share_tp2():
-    items = list(range(8))  # 8 prompts, world 4, tp 2: each group generates 4, each rank trains on 2
+    # 8 prompts, world 4, tp 2: each group generates 4, each rank trains on 2
+    items = list(range(8))
     shares = [group_share(items, r, 4, 2) for r in range(4)]
     assert [mine for mine, _ in shares] == [[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 6, 7], [4, 5, 6, 7]]
     assert [sl for _, sl in shares] == [slice(0, 2), slice(2, 4), slice(0, 2), slice(2, 4)]
@@ -60,7 +61,7 @@ def test_group_share_tp1_gives_each_rank_its_own_share(world):
     items = [f"p{i}" for i in range(4 * world)]
     for r in range(world):
         mine, sl = group_share(items, r, world, 1)
-        assert mine == items[4 * r:4 * (r + 1)]
+        assert mine == items[4 * r : 4 * (r + 1)]
         assert mine[sl] == mine
 
 
@@ -99,7 +100,10 @@ def test_graphs_without_compile_is_a_valid_vllm_config():
     from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
 
     config = CompilationConfig(**rollout.graphs_without_compile(16))
-    assert config.mode == CompilationMode.NONE and config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    assert (
+        config.mode == CompilationMode.NONE
+        and config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    )
     assert config.cudagraph_capture_sizes == [1, 2, 4, 8, 16]
 
 
@@ -119,7 +123,8 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def prompts():
     tok = make_tiny_tokenizer()
-    return [tok.encode(p) for p in ["hi", "The quick brown fox", "1 + 2 ="]]  # lengths 2, 19, 7: left padding
+    # lengths 2, 19, 7: left padding
+    return [tok.encode(p) for p in ["hi", "The quick brown fox", "1 + 2 ="]]
 
 
 def test_hf_engine_fixed_seed_is_reproducible(tiny_dir, prompts):
@@ -130,8 +135,10 @@ def test_hf_engine_fixed_seed_is_reproducible(tiny_dir, prompts):
     engine.generate(prompts, **kw)
     assert engine.generate(prompts, **kw) != first  # the next call draws new samples
     assert HFEngine(tiny_dir, seed=4).generate(prompts, **kw) != first
-    assert HFEngine(tiny_dir, seed=0).generate(prompts, **kw, seed=7) == HFEngine(tiny_dir, seed=9).generate(
-        prompts, **kw, seed=7)  # an explicit seed overrides the engine's
+    # an explicit seed overrides the engine's
+    assert HFEngine(tiny_dir, seed=0).generate(prompts, **kw, seed=7) == HFEngine(
+        tiny_dir, seed=9
+    ).generate(prompts, **kw, seed=7)
     assert [len(group) for group in first] == [2, 2, 2]
 
 
@@ -141,10 +148,15 @@ def test_hf_engine_logprobs_are_log_softmax_of_logits_over_temperature(tiny_dir,
     samples = engine.generate(prompts, n=2, temperature=temperature, max_tokens=12)
     for p, group in zip(prompts, samples):
         for s in group:
-            ids = torch.tensor([p + s.token_ids])  # unpadded: the batched, left-padded run must agree
-            logits = engine.model(input_ids=ids).logits[0, len(p) - 1:-1].float()  # (T, V)
-            expected = torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(s.token_ids)[:, None])
-            torch.testing.assert_close(torch.tensor(s.logprobs), expected.squeeze(-1), atol=1e-5, rtol=0)
+            # unpadded: the batched, left-padded run must agree
+            ids = torch.tensor([p + s.token_ids])
+            logits = engine.model(input_ids=ids).logits[0, len(p) - 1 : -1].float()  # (T, V)
+            expected = torch.log_softmax(logits / temperature, -1).gather(
+                -1, torch.tensor(s.token_ids)[:, None]
+            )
+            torch.testing.assert_close(
+                torch.tensor(s.logprobs), expected.squeeze(-1), atol=1e-5, rtol=0
+            )
 
 
 def test_hf_engine_top_k_logprobs_are_renormalised(tiny_dir, prompts):
@@ -152,10 +164,17 @@ def test_hf_engine_top_k_logprobs_are_renormalised(tiny_dir, prompts):
     samples = engine.generate(prompts[:1], n=4, temperature=1.0, top_k=3, max_tokens=8)
     p = prompts[0]
     for s in samples[0]:
-        logits = engine.model(input_ids=torch.tensor([p + s.token_ids])).logits[0, len(p) - 1:-1].float()
+        logits = (
+            engine.model(input_ids=torch.tensor([p + s.token_ids]))
+            .logits[0, len(p) - 1 : -1]
+            .float()
+        )
         top = logits.topk(3, -1)
-        assert all(t in row for t, row in zip(s.token_ids, top.indices.tolist()))  # only top-3 tokens drawn
-        expected = torch.log_softmax(top.values, -1)[top.indices == torch.tensor(s.token_ids)[:, None]]
+        # only top-3 tokens drawn
+        assert all(t in row for t, row in zip(s.token_ids, top.indices.tolist()))
+        expected = torch.log_softmax(top.values, -1)[
+            top.indices == torch.tensor(s.token_ids)[:, None]
+        ]
         torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-5, rtol=0)
 
 
@@ -169,7 +188,7 @@ def test_hf_engine_finish_reasons(tiny_dir, prompts):
     first = greedy[0][0].token_ids.index(eos)
     engine.model.generation_config.eos_token_id = eos
     stopped = engine.generate([prompts[0], prompts[2]], temperature=0, max_tokens=16)
-    assert stopped[0][0].token_ids == greedy[0][0].token_ids[:first + 1]
+    assert stopped[0][0].token_ids == greedy[0][0].token_ids[: first + 1]
     assert stopped[0][0].finish_reason == "stop"
     assert stopped[1][0].token_ids == greedy[2][0].token_ids
     assert stopped[1][0].finish_reason == "length"
@@ -177,14 +196,17 @@ def test_hf_engine_finish_reasons(tiny_dir, prompts):
 
 def test_hf_engine_stop_token_ends_a_sampled_response(tiny_dir, prompts):
     # one prompt, one sample: the same seed draws the same tokens until the stop token is sampled
-    sample = HFEngine(tiny_dir, seed=0).generate(prompts[1:2], temperature=1.0, max_tokens=16, seed=5)[0][0]
+    sample = HFEngine(tiny_dir, seed=0).generate(
+        prompts[1:2], temperature=1.0, max_tokens=16, seed=5
+    )[0][0]
     assert sample.finish_reason == "length" and len(sample.token_ids) == 16
     stop = sample.token_ids[6]
     first = sample.token_ids.index(stop)
-    stopped = HFEngine(tiny_dir, seed=0).generate(prompts[1:2], temperature=1.0, max_tokens=16, seed=5,
-                                                  stop_token_ids=[stop])[0][0]
-    assert stopped.token_ids == sample.token_ids[:first + 1]
-    assert stopped.logprobs == sample.logprobs[:first + 1]
+    stopped = HFEngine(tiny_dir, seed=0).generate(
+        prompts[1:2], temperature=1.0, max_tokens=16, seed=5, stop_token_ids=[stop]
+    )[0][0]
+    assert stopped.token_ids == sample.token_ids[: first + 1]
+    assert stopped.logprobs == sample.logprobs[: first + 1]
     assert stopped.finish_reason == "stop"
 
 
@@ -204,15 +226,33 @@ def test_hf_engine_update_weights(tiny_dir, prompts):
 
 
 def _torchrun(nproc: int, script: str, work: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1",
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
-           str(free_port()), script, str(work)]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_NO_USAGE_STATS="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_port",
+        str(free_port()),
+        script,
+        str(work),
+    ]
     log = work / f"{Path(script).stem}.log"
     try:
         with open(log, "w") as f:
-            proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=400)
+            proc = subprocess.run(
+                cmd, check=False, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=400
+            )
         failed = proc.returncode != 0 and f"exit code {proc.returncode}"
     except subprocess.TimeoutExpired:
         failed = "timed out"
@@ -229,7 +269,9 @@ def dist_results(tmp_path_factory):
     work = tmp_path_factory.mktemp("dist")
     _torchrun(2, "tests/dist/engine_checks.py", work)
     _torchrun(1, "tests/dist/load_checks.py", work)
-    return json.loads((work / "engine_checks.json").read_text()), json.loads((work / "load_checks.json").read_text())
+    return json.loads((work / "engine_checks.json").read_text()), json.loads(
+        (work / "load_checks.json").read_text()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +284,8 @@ def test_fsdp2_step_equals_unsharded(ranks):
         assert r["sharded"]
         assert r["loss_diff"] < 1e-6 and r["loss_diff_gc"] < 1e-6
         assert r["grad_diff"] < 1e-6 and r["grad_diff_gc"] < 1e-6, (r["grad_diff"], r["grad_max"])
-        # against two accumulated micro-batches (the ranks' rows) the gradients sum in the same order
+        # against two accumulated micro-batches (the ranks' rows) the gradients sum in the same
+        # order
         assert r["param_diff_mb"] < 1e-6
         # against one backward over the concatenation the gradients differ by fp32 summation order
         # (~4e-7); AdamW divides by sqrt(v), which grows that to ~1e-5 in near-zero gradients
@@ -274,10 +317,17 @@ print("OK")
 
 
 def test_iter_full_tensors_on_one_rank_copies_without_a_collective(tmp_path):
-    """World size 1 (one GPU) takes the shortcut past DTensor: same names and values, new tensors."""
+    """World size 1 (one GPU) takes the shortcut past DTensor: same names and values, new
+    tensors."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29731"}
-    proc = subprocess.run([sys.executable, "-c", SINGLE_RANK], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", SINGLE_RANK],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
@@ -306,15 +356,20 @@ def test_compute_device_under_cpu_offload(monkeypatch):
 def test_iter_full_tensors_equals_unsharded_state_dict(ranks):
     for r in ranks:
         for tag in ("plain", "gc"):  # gc: gradient checkpointing on
-            assert r[f"full_names_{tag}"], "names differ from the state dict (minus the tied lm_head)"
+            assert r[f"full_names_{tag}"], (
+                "names differ from the state dict (minus the tied lm_head)"
+            )
             assert r[f"full_exact_{tag}"]
             assert r[f"full_bf16_{tag}"]
-        assert r["full_exact_after_bf16_forward"], "a no-grad forward left bf16 root parameters in the stream"
+        assert r["full_exact_after_bf16_forward"], (
+            "a no-grad forward left bf16 root parameters in the stream"
+        )
 
 
 def test_vllm_after_push_matches_transformers(ranks):
     for r in ranks:
-        assert r["embed_moved"] > 1e-2  # training moved the tied embeddings, so the push must carry them
+        # training moved the tied embeddings, so the push must carry them
+        assert r["embed_moved"] > 1e-2
         assert r["greedy_changed_by_push"]
         assert r["greedy_equal_hf"]
         assert r["gap_trained"] < 1e-4 and r["gap_trained_ref"] < 1e-4
@@ -352,7 +407,12 @@ def test_interrupted_save_keeps_previous_checkpoint(ranks):
         assert r["crash_raised"]
         assert r["latest_after_crash"] == "ckpt/global_step_2"
         assert r["list_after_crash"] == [2] and r["tmp_left"]
-        assert r["loaded_state_ws2"] == {"global_step": 2, "world_size": 2, "epoch": 0, "data_index": 7}
+        assert r["loaded_state_ws2"] == {
+            "global_step": 2,
+            "world_size": 2,
+            "epoch": 0,
+            "data_index": 7,
+        }
         assert r["loaded_logits_diff_ws2"] == 0.0
         assert r["loaded_lr_ws2"][0] == r["loaded_lr_ws2"][1]
         assert r["list_after_retry"] == [2, 3] and not r["tmp_left_after_retry"]
@@ -360,7 +420,11 @@ def test_interrupted_save_keeps_previous_checkpoint(ranks):
 
 def test_keep_last_prunes_old_checkpoints(ranks):
     for r in ranks:
-        assert r["pruned"] == ["global_step_3", "global_step_4", "latest_checkpointed_iteration.txt"]
+        assert r["pruned"] == [
+            "global_step_3",
+            "global_step_4",
+            "latest_checkpointed_iteration.txt",
+        ]
         assert r["tracker"] == "4"
 
 
@@ -376,22 +440,31 @@ def test_export_hf_loads_in_transformers_and_vllm(dist_results):
 def test_vllm_log_probs_only_where_asked(tmp_path, monkeypatch):
     pytest.importorskip("vllm")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from bench.tiny import make_tiny_model
     from vllm.model_executor.models import registry
+
+    from bench.tiny import make_tiny_model
 
     def no_subprocess(fn):
         raise AssertionError("vLLM inspected the model class in a subprocess")
 
     # No model-info cache (vLLM's answer from an earlier subprocess): the engine must resolve the
     # architecture in this process.
-    monkeypatch.setattr(registry._LazyRegisteredModel, "_load_modelinfo_from_cache", lambda self, module_hash: None)
+    monkeypatch.setattr(
+        registry._LazyRegisteredModel, "_load_modelinfo_from_cache", lambda self, module_hash: None
+    )
     monkeypatch.setattr(registry, "_run_in_subprocess", no_subprocess)
-    engine = rollout.VLLMEngine(make_tiny_model(str(tmp_path / "m")), max_model_len=128, **rollout.ON_CPU)
+    engine = rollout.VLLMEngine(
+        make_tiny_model(str(tmp_path / "m")), max_model_len=128, **rollout.ON_CPU
+    )
     prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
     both = engine.generate(prompts, n=2, temperature=0, max_tokens=6)
     some = engine.generate(prompts, n=2, temperature=0, max_tokens=6, logprobs=[True, False, True])
     assert [[s.token_ids for s in o] for o in some] == [[s.token_ids for s in o] for o in both]
-    assert [[s.logprobs is None for s in o] for o in some] == [[False, False], [True, True], [False, False]]
+    assert [[s.logprobs is None for s in o] for o in some] == [
+        [False, False],
+        [True, True],
+        [False, False],
+    ]
     assert some[0][0].logprobs == pytest.approx(both[0][0].logprobs, abs=1e-6)
     none = engine.generate(prompts, temperature=1.0, max_tokens=6, logprobs=False, seed=0)
     assert all(s.logprobs is None for o in none for s in o)
@@ -400,8 +473,9 @@ def test_vllm_log_probs_only_where_asked(tmp_path, monkeypatch):
 
 
 def test_update_weights_returns_the_trainers_cached_memory_before_each_wake(monkeypatch):
-    """On a GPU, a sleeping engine wakes its weights, then its KV cache, each after torch's allocator
-    has returned what it caches for the trainer: the update can leave nearly all of the GPU cached."""
+    """On a GPU, a sleeping engine wakes its weights, then its KV cache, each after torch's
+    allocator has returned what it caches for the trainer: the update can leave nearly all of the
+    GPU cached."""
     calls = []
 
     class FakeLLM:
@@ -418,7 +492,14 @@ def test_update_weights_returns_the_trainers_cached_memory_before_each_wake(monk
     engine.llm, engine.on_gpu, engine.sleeping = FakeLLM(), True, True
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     engine.update_weights(iter([]))
-    assert calls == ["empty_cache", "wake weights", "load", "empty_cache", "wake kv_cache", "reset prefix cache"]
+    assert calls == [
+        "empty_cache",
+        "wake weights",
+        "load",
+        "empty_cache",
+        "wake kv_cache",
+        "reset prefix cache",
+    ]
     assert not engine.sleeping
     calls.clear()
     engine.update_weights(iter([]))  # awake: nothing to wake, nothing to return

@@ -1,7 +1,8 @@
-"""train_grpo.py's math against small examples worked out by hand, and its properties: masked positions
-never change a result, micro-batching leaves the gradient unchanged (packed or padded), update_actor steps
-as its flags say; check_args names the flag it rejects. The passes under it (log-probs, packing, compiling,
-the optimizer step) are tested in tests/test_sharding.py, the run around it in tests/test_run.py.
+"""train_grpo.py's math against small examples worked out by hand, and its properties: masked
+positions never change a result, micro-batching leaves the gradient unchanged (packed or padded),
+update_actor steps as its flags say; check_args names the flag it rejects. The passes under it
+(log-probs, packing, compiling, the optimizer step) are tested in tests/test_sharding.py, the run
+around it in tests/test_run.py.
 
 Shapes as in train_grpo.py: N sequences (B prompts x n samples), T response tokens, V vocabulary.
 """
@@ -15,17 +16,28 @@ from transformers import AutoModelForCausalLM
 
 import sharding
 import train_grpo
-from train_grpo import Args, agg_loss, check_args, compute_grpo_outcome_advantage, compute_policy_loss, kl_penalty
+from bench.tiny import tiny_config
 from sharding import forward_log_probs
 from tests.tiny_model import LENGTHS, GradRecorder, make_samples
-from bench.tiny import tiny_config
+from train_grpo import (
+    Args,
+    agg_loss,
+    check_args,
+    compute_grpo_outcome_advantage,
+    compute_policy_loss,
+    kl_penalty,
+)
 
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 def close(actual, expected, atol=1e-4, rtol=0.0):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32),
-                               torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=rtol)
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float32),
+        torch.as_tensor(expected, dtype=torch.float32),
+        atol=atol,
+        rtol=rtol,
+    )
 
 
 # --- advantages ----------------------------------------------------------------------------------
@@ -41,20 +53,27 @@ def test_grpo_advantage_group_of_three():
     close(adv, [[1.1547, 1.1547], [-0.57735, -0.57735], [-0.57735, -0.57735]])
     # eps sits in the denominator: 1e-6 / 0.57735 = 1.7e-6 relative, below the 4 digits above
     std = math.sqrt(1 / 3)
-    close(adv[:, 0], [(2 / 3) / (std + 1e-6), (-1 / 3) / (std + 1e-6), (-1 / 3) / (std + 1e-6)], atol=1e-6)
+    close(
+        adv[:, 0],
+        [(2 / 3) / (std + 1e-6), (-1 / 3) / (std + 1e-6), (-1 / 3) / (std + 1e-6)],
+        atol=1e-6,
+    )
     assert adv[0, 0] < (2 / 3) / std  # eps pulls the magnitude down, never up
 
 
 def test_dr_grpo_advantage_is_not_divided_by_std():
     # Dr.GRPO: A = r - mean = [1 - 1/3, 0 - 1/3, 0 - 1/3] = [0.6667, -0.3333, -0.3333]
-    adv = compute_grpo_outcome_advantage(torch.tensor([1.0, 0.0, 0.0]), torch.ones(3, 1), n=3,
-                                         norm_adv_by_std=False)
+    adv = compute_grpo_outcome_advantage(
+        torch.tensor([1.0, 0.0, 0.0]), torch.ones(3, 1), n=3, norm_adv_by_std=False
+    )
     close(adv[:, 0], [2 / 3, -1 / 3, -1 / 3], atol=1e-6)
 
 
 def test_groups_are_consecutive_rows_and_equal_scores_give_zero():
-    # two groups of n = 2: [3, 1] -> mean 2, std = sqrt(((1)^2 + (-1)^2) / 1) = 1.4142, A = [0.7071, -0.7071]
-    #                      [5, 5] -> all equal: mean 5, std 0, A = 0 / (0 + eps) = 0 (no signal, no nan)
+    # two groups of n = 2: [3, 1] -> mean 2, std = sqrt(((1)^2 + (-1)^2) / 1) = 1.4142, A = [0.7071,
+    # -0.7071]
+    #                      [5, 5] -> all equal: mean 5, std 0, A = 0 / (0 + eps) = 0 (no signal, no
+    #                      nan)
     adv = compute_grpo_outcome_advantage(torch.tensor([3.0, 1.0, 5.0, 5.0]), torch.ones(4, 1), n=2)
     close(adv[:, 0], [0.70711, -0.70711, 0.0, 0.0])
     assert torch.isfinite(adv).all()
@@ -81,13 +100,19 @@ def policy_loss(log_ratio, adv, mask=None, low=0.2, high=0.2, c=3.0):
 
 
 def test_policy_loss_clip_and_dual_clip_by_hand():
-    # token 0: A = +1, ratio = e^0.2 = 1.2214 -> clipped to 1.2; min(1.2214, 1.2) = 1.2    -> loss -1.2, clipped
-    # token 1: A = +1, ratio = e^-0.5 = 0.6065 -> clipped to 0.8; min(0.6065, 0.8) = 0.6065 -> loss -0.6065
+    # token 0: A = +1, ratio = e^0.2 = 1.2214 -> clipped to 1.2; min(1.2214, 1.2) = 1.2
+    #          -> loss -1.2, clipped
+    # token 1: A = +1, ratio = e^-0.5 = 0.6065 -> clipped to 0.8; min(0.6065, 0.8) = 0.6065
+    #          -> loss -0.6065
     #          (clipping only binds when it lowers the objective)
-    # token 2: A = -1, ratio = 5 -> clipped 1.2; min(-5, -1.2) = -5; dual-clip max(-5, c*A = -3) = -3 -> loss 3
-    #          (not counted in pg_clipfrac: the clipped term -1.2 is not the smaller one; in pg_clipfrac_lower)
-    # token 3: A = -1, ratio = 0.5 -> clipped 0.8; min(-0.5, -0.8) = -0.8; max(-0.8, -3) = -0.8 -> loss 0.8, clipped
-    # token 4: A = -2, ratio = 2 -> clipped 1.2; min(-4, -2.4) = -4; max(-4, 3 * -2 = -6) = -4  -> loss 4
+    # token 2: A = -1, ratio = 5 -> clipped 1.2; min(-5, -1.2) = -5; dual-clip max(-5, c*A = -3)
+    #          = -3 -> loss 3
+    #          (not counted in pg_clipfrac: the clipped term -1.2 is not the smaller one; in
+    #          pg_clipfrac_lower)
+    # token 3: A = -1, ratio = 0.5 -> clipped 0.8; min(-0.5, -0.8) = -0.8; max(-0.8, -3) = -0.8
+    #          -> loss 0.8, clipped
+    # token 4: A = -2, ratio = 2 -> clipped 1.2; min(-4, -2.4) = -4; max(-4, 3 * -2 = -6) = -4
+    #          -> loss 4
     #          (ratio 2 < c = 3: the dual clip does not bind)
     log_ratio = [0.2, -0.5, math.log(5), math.log(0.5), math.log(2)]
     pg_losses, stats = policy_loss(log_ratio, [1, 1, -1, -1, -2])
@@ -99,7 +124,8 @@ def test_policy_loss_clip_and_dual_clip_by_hand():
 
 
 def test_dual_clip_caps_huge_ratio_at_c_times_advantage():
-    # A = -0.5, ratio = e^20 (log ratio 30 clamped to 20): the loss is capped at -c * A = 3 * 0.5 = 1.5
+    # A = -0.5, ratio = e^20 (log ratio 30 clamped to 20): the loss is capped at -c * A = 3 * 0.5
+    # = 1.5
     pg_losses, stats = policy_loss([30.0], [-0.5])
     close(pg_losses, [[1.5]])
     assert stats["pg_clipfrac_lower"].item() == 1
@@ -109,8 +135,10 @@ def test_dual_clip_caps_huge_ratio_at_c_times_advantage():
 
 def test_clip_higher_uses_asymmetric_bounds():
     # DAPO: eps_low 0.2, eps_high 0.28
-    # A = +1, ratio = e^0.25 = 1.2840 -> clipped at 1 + 0.28 = 1.28 -> loss -1.28 (with eps_high 0.2: -1.2)
-    # A = -1, ratio = e^-0.3 = 0.7408 -> clipped at 1 - 0.2 = 0.8, min(-0.7408, -0.8) = -0.8 -> loss 0.8
+    # A = +1, ratio = e^0.25 = 1.2840 -> clipped at 1 + 0.28 = 1.28 -> loss -1.28 (with eps_high
+    # 0.2: -1.2)
+    # A = -1, ratio = e^-0.3 = 0.7408 -> clipped at 1 - 0.2 = 0.8, min(-0.7408, -0.8) = -0.8
+    # -> loss 0.8
     pg_losses, stats = policy_loss([0.25, -0.3], [1, -1], high=0.28)
     close(pg_losses, [[-1.28, 0.8]])
     assert stats["pg_clipfrac"].item() == 2
@@ -125,7 +153,9 @@ def test_policy_loss_stats_ignore_masked_tokens():
     # token 1 is padding with garbage that would count as clipped, dual-clipped and in ppo_kl
     clean, clean_stats = policy_loss([0.2, 0.0], [1, 0], mask=[1, 0])
     dirty, dirty_stats = policy_loss([0.2, 15.0], [1, -7], mask=[1, 0])
-    assert {k: v.item() for k, v in clean_stats.items()} == {k: v.item() for k, v in dirty_stats.items()}
+    assert {k: v.item() for k, v in clean_stats.items()} == {
+        k: v.item() for k, v in dirty_stats.items()
+    }
     assert clean_stats["pg_clipfrac"].item() == 1 and clean_stats["pg_clipfrac_lower"].item() == 0
     close(clean_stats["ppo_kl"], -0.2)
     mask = torch.tensor([[1.0, 0.0]])
@@ -137,34 +167,41 @@ def test_policy_loss_stats_ignore_masked_tokens():
 
 
 def test_policy_loss_with_is_weights_scales_each_tokens_loss():
-    # the tokens of test_policy_loss_clip_and_dual_clip_by_hand, weighted 2, 0.5, 1, 0, 1.5: each loss times
-    # its weight; the clipping and its statistics are those of the ratio alone
+    # the tokens of test_policy_loss_clip_and_dual_clip_by_hand, weighted 2, 0.5, 1, 0, 1.5: each
+    # loss times its weight; the clipping and its statistics are those of the ratio alone
     log_ratio = [0.2, -0.5, math.log(5), math.log(0.5), math.log(2)]
     adv = torch.tensor([[1.0, 1, -1, -1, -2]])
     old = torch.full_like(adv, -2.0)
     mask = torch.ones_like(adv)
     weights = torch.tensor([[2.0, 0.5, 1.0, 0.0, 1.5]])
-    pg_losses, stats = compute_policy_loss(old, old + torch.tensor([log_ratio]), adv, mask, 0.2, 0.2, 3.0, weights)
+    pg_losses, stats = compute_policy_loss(
+        old, old + torch.tensor([log_ratio]), adv, mask, 0.2, 0.2, 3.0, weights
+    )
     close(pg_losses, [[-2.4, -0.303265, 3.0, 0.0, 6.0]])
-    plain_stats = compute_policy_loss(old, old + torch.tensor([log_ratio]), adv, mask, 0.2, 0.2, 3.0)[1]
+    plain_stats = compute_policy_loss(
+        old, old + torch.tensor([log_ratio]), adv, mask, 0.2, 0.2, 3.0
+    )[1]
     assert {k: v.item() for k, v in stats.items()} == {k: v.item() for k, v in plain_stats.items()}
 
 
 # --- KL ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kl_type, expected", [
-    # log r = log pi - log pi_ref = [0.5, -0.5, 0]
-    ("k1", [0.5, -0.5, 0.0]),  # log r
-    ("abs", [0.5, 0.5, 0.0]),  # |log r|
-    ("k2", [0.125, 0.125, 0.0]),  # (log r)^2 / 2 = 0.25 / 2
-    ("mse", [0.125, 0.125, 0.0]),
-    # k3: r' = pi_ref / pi = e^-log r; r' - 1 - log r'
-    #   log r = 0.5:  e^-0.5 - 1 + 0.5 = 0.60653 - 0.5 = 0.10653
-    #   log r = -0.5: e^0.5 - 1 - 0.5 = 1.64872 - 1.5 = 0.14872
-    ("k3", [0.10653, 0.14872, 0.0]),
-    ("low_var_kl", [0.10653, 0.14872, 0.0]),
-])
+@pytest.mark.parametrize(
+    "kl_type, expected",
+    [
+        # log r = log pi - log pi_ref = [0.5, -0.5, 0]
+        ("k1", [0.5, -0.5, 0.0]),  # log r
+        ("abs", [0.5, 0.5, 0.0]),  # |log r|
+        ("k2", [0.125, 0.125, 0.0]),  # (log r)^2 / 2 = 0.25 / 2
+        ("mse", [0.125, 0.125, 0.0]),
+        # k3: r' = pi_ref / pi = e^-log r; r' - 1 - log r'
+        #   log r = 0.5:  e^-0.5 - 1 + 0.5 = 0.60653 - 0.5 = 0.10653
+        #   log r = -0.5: e^0.5 - 1 - 0.5 = 1.64872 - 1.5 = 0.14872
+        ("k3", [0.10653, 0.14872, 0.0]),
+        ("low_var_kl", [0.10653, 0.14872, 0.0]),
+    ],
+)
 def test_kl_estimators_by_hand(kl_type, expected):
     log_probs = torch.tensor([-1.0, -2.0, -0.3])
     ref_log_probs = torch.tensor([-1.5, -1.5, -0.3])
@@ -190,19 +227,32 @@ LOSS_MAT = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
 
 
-@pytest.mark.parametrize("mode, local, global_", [
-    # token-mean: 7 / 3 tokens = 2.3333; global: another micro-batch holds 3 more tokens -> 7 / 6 = 1.1667
-    ("token-mean", 7 / 3, 7 / 6),
-    # seq-mean-token-sum: (3 + 4) / 2 seqs = 3.5; with 4 seqs in the mini-batch 7 / 4 = 1.75
-    ("seq-mean-token-sum", 3.5, 1.75),
-    # seq-mean-token-mean: (3/2 + 4/1) / 2 = 5.5 / 2 = 2.75; global 5.5 / 4 = 1.375
-    ("seq-mean-token-mean", 2.75, 1.375),
-    # seq-mean-token-sum-norm (Dr.GRPO): 7 / (2 seqs * max_response_length 4) = 0.875; global 7 / 16 = 0.4375
-    ("seq-mean-token-sum-norm", 0.875, 0.4375),
-])
+@pytest.mark.parametrize(
+    "mode, local, global_",
+    [
+        # token-mean: 7 / 3 tokens = 2.3333; global: another micro-batch holds 3 more tokens
+        # -> 7 / 6 = 1.1667
+        ("token-mean", 7 / 3, 7 / 6),
+        # seq-mean-token-sum: (3 + 4) / 2 seqs = 3.5; with 4 seqs in the mini-batch 7 / 4 = 1.75
+        ("seq-mean-token-sum", 3.5, 1.75),
+        # seq-mean-token-mean: (3/2 + 4/1) / 2 = 5.5 / 2 = 2.75; global 5.5 / 4 = 1.375
+        ("seq-mean-token-mean", 2.75, 1.375),
+        # seq-mean-token-sum-norm (Dr.GRPO): 7 / (2 seqs * max_response_length 4) = 0.875; global 7
+        # / 16 = 0.4375
+        ("seq-mean-token-sum-norm", 0.875, 0.4375),
+    ],
+)
 def test_agg_loss_by_hand(mode, local, global_):
-    close(agg_loss(LOSS_MAT, MASK, mode, num_tokens=3, num_seqs=2, max_response_length=4), local, atol=1e-6)
-    close(agg_loss(LOSS_MAT, MASK, mode, num_tokens=6, num_seqs=4, max_response_length=4), global_, atol=1e-6)
+    close(
+        agg_loss(LOSS_MAT, MASK, mode, num_tokens=3, num_seqs=2, max_response_length=4),
+        local,
+        atol=1e-6,
+    )
+    close(
+        agg_loss(LOSS_MAT, MASK, mode, num_tokens=6, num_seqs=4, max_response_length=4),
+        global_,
+        atol=1e-6,
+    )
     garbage = torch.where(MASK.bool(), LOSS_MAT, torch.tensor(1e6))
     assert agg_loss(garbage, MASK, mode, 3, 2, 4) == agg_loss(LOSS_MAT, MASK, mode, 3, 2, 4)
 
@@ -212,7 +262,8 @@ def test_agg_loss_with_global_denominators_adds_up_over_micro_batches(mode):
     # a mini-batch of 5 rows split 2 + 3: the two partial losses sum to the whole mini-batch's loss
     g = torch.Generator().manual_seed(0)
     loss_mat = torch.randn(5, 4, generator=g)
-    mask = (torch.arange(4) < torch.tensor([[4], [1], [3], [0], [2]])).float()  # lengths 4, 1, 3, 0, 2
+    # lengths 4, 1, 3, 0, 2
+    mask = (torch.arange(4) < torch.tensor([[4], [1], [3], [0], [2]])).float()
     kw = dict(mode=mode, num_tokens=mask.sum(), num_seqs=5, max_response_length=4)
     whole = agg_loss(loss_mat, mask, **kw)
     parts = agg_loss(loss_mat[:2], mask[:2], **kw) + agg_loss(loss_mat[2:], mask[2:], **kw)
@@ -228,14 +279,31 @@ def test_agg_loss_names_the_flag_on_a_bad_mode():
 
 
 def good_args(**kw):
-    return Args(**{**dict(train_batch_size=8, rollout_n=2, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2,
-                          default_local_dir="/tmp/unused"), **kw})
+    return Args(
+        **{
+            **dict(
+                train_batch_size=8,
+                rollout_n=2,
+                ppo_mini_batch_size=4,
+                ppo_micro_batch_size_per_gpu=2,
+                default_local_dir="/tmp/unused",
+            ),
+            **kw,
+        }
+    )
 
 
 def test_check_args_accepts_the_qwen3_tutorial_shape():
     # 1024 prompts in mini-batches of 80 (the last one 64), micro-batches of 20: verl runs it as is
-    check_args(good_args(train_batch_size=1024, rollout_n=3, ppo_mini_batch_size=80, ppo_micro_batch_size_per_gpu=20),
-               world_size=1)
+    check_args(
+        good_args(
+            train_batch_size=1024,
+            rollout_n=3,
+            ppo_mini_batch_size=80,
+            ppo_micro_batch_size_per_gpu=20,
+        ),
+        world_size=1,
+    )
 
 
 def test_check_args_accepts_a_good_config_and_fills_defaults():
@@ -244,56 +312,119 @@ def test_check_args_accepts_a_good_config_and_fills_defaults():
     assert args.kl_loss_coef == 0.001 and args.kl_coef == 0.001
 
 
-@pytest.mark.parametrize("kw, world, flag", [
-    (dict(rollout_n=1), 2, "--rollout_n"),
-    (dict(train_batch_size=6), 4, "--train_batch_size 6 must be divisible by the number of GPUs 4"),
-    (dict(ppo_mini_batch_size=16), 2, "--ppo_mini_batch_size 16 must not exceed --train_batch_size 8"),
-    (dict(ppo_mini_batch_size=3, rollout_n=3), 2, "--ppo_mini_batch_size x --rollout_n"),
-    (dict(use_kl_loss=False, kl_loss_coef=0.01), 2, "--kl_loss_coef is set but --use_kl_loss is false"),
-    (dict(kl_coef=0.01), 2, "--kl_coef is set but --use_kl_in_reward is false"),
-    (dict(rollout_engine="sglang"), 2, "--rollout_engine"),
-    (dict(engines_per_gpu=0), 2, "--engines_per_gpu 0 must be at least 1"),
-    (dict(engines_per_gpu=2, rollout_engine="hf"), 2, "--engines_per_gpu above 1 needs --rollout_engine vllm"),
-    (dict(engines_per_gpu=2, tensor_model_parallel_size=2), 2, "and --tensor_model_parallel_size 1"),
-    (dict(resume_mode="/no/such/global_step_3"), 2, "--resume_mode"),
-    (dict(rollout_is="geometric"), 2, "--rollout_is 'geometric' must be token or sequence"),
-    (dict(rollout_is="token", rollout_is_threshold=0.5), 2, "--rollout_is_threshold 0.5 must be at least 1"),
-    (dict(gen_batch_size=16), 2, "--gen_batch_size only applies with --filter_groups"),
-    (dict(gen_batch_size=6, filter_groups=True), 4, "--gen_batch_size 6 must be 0 or a multiple of the number of GPUs"),
-    (dict(gen_batch_size=-8, filter_groups=True), 2, "--gen_batch_size -8 must be 0 or a multiple"),
-    (dict(filter_groups_from_step=8), 2, "--filter_groups_from_step only applies with --filter_groups"),
-    (dict(filter_groups_from_step=0, filter_groups=True), 2, "--filter_groups_from_step 0 must be >= 1"),
-    (dict(skip_all_equal=True), 2, "--skip_all_equal only applies with --filter_groups"),
-    (dict(lr_scheduler_type="linear"), 2, "--lr_scheduler_type must be constant or cosine"),
-    (dict(lr_scheduler_type="cosine", min_lr_ratio=1.5), 2, r"--min_lr_ratio 1.5 must be in \[0, 1\]"),
-    (dict(lr_scheduler_type="cosine", lr_decay_steps_ratio=0.0), 2, r"--lr_decay_steps_ratio 0.0 must be in \(0, 1\]"),
-    (dict(min_lr_ratio=0.1), 2, "shape the cosine schedule: add --lr_scheduler_type cosine"),
-    (dict(lr_decay_steps_ratio=0.3), 2, "shape the cosine schedule: add --lr_scheduler_type cosine"),
-    (dict(skip_all_equal=True, filter_groups=True, skip_explore_prob=0.0), 2,
-     r"--skip_explore_prob 0.0 must be in \(0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "kw, world, flag",
+    [
+        (dict(rollout_n=1), 2, "--rollout_n"),
+        (
+            dict(train_batch_size=6),
+            4,
+            "--train_batch_size 6 must be divisible by the number of GPUs 4",
+        ),
+        (
+            dict(ppo_mini_batch_size=16),
+            2,
+            "--ppo_mini_batch_size 16 must not exceed --train_batch_size 8",
+        ),
+        (dict(ppo_mini_batch_size=3, rollout_n=3), 2, "--ppo_mini_batch_size x --rollout_n"),
+        (
+            dict(use_kl_loss=False, kl_loss_coef=0.01),
+            2,
+            "--kl_loss_coef is set but --use_kl_loss is false",
+        ),
+        (dict(kl_coef=0.01), 2, "--kl_coef is set but --use_kl_in_reward is false"),
+        (dict(rollout_engine="sglang"), 2, "--rollout_engine"),
+        (dict(engines_per_gpu=0), 2, "--engines_per_gpu 0 must be at least 1"),
+        (
+            dict(engines_per_gpu=2, rollout_engine="hf"),
+            2,
+            "--engines_per_gpu above 1 needs --rollout_engine vllm",
+        ),
+        (
+            dict(engines_per_gpu=2, tensor_model_parallel_size=2),
+            2,
+            "and --tensor_model_parallel_size 1",
+        ),
+        (dict(resume_mode="/no/such/global_step_3"), 2, "--resume_mode"),
+        (dict(rollout_is="geometric"), 2, "--rollout_is 'geometric' must be token or sequence"),
+        (
+            dict(rollout_is="token", rollout_is_threshold=0.5),
+            2,
+            "--rollout_is_threshold 0.5 must be at least 1",
+        ),
+        (dict(gen_batch_size=16), 2, "--gen_batch_size only applies with --filter_groups"),
+        (
+            dict(gen_batch_size=6, filter_groups=True),
+            4,
+            "--gen_batch_size 6 must be 0 or a multiple of the number of GPUs",
+        ),
+        (
+            dict(gen_batch_size=-8, filter_groups=True),
+            2,
+            "--gen_batch_size -8 must be 0 or a multiple",
+        ),
+        (
+            dict(filter_groups_from_step=8),
+            2,
+            "--filter_groups_from_step only applies with --filter_groups",
+        ),
+        (
+            dict(filter_groups_from_step=0, filter_groups=True),
+            2,
+            "--filter_groups_from_step 0 must be >= 1",
+        ),
+        (dict(skip_all_equal=True), 2, "--skip_all_equal only applies with --filter_groups"),
+        (dict(lr_scheduler_type="linear"), 2, "--lr_scheduler_type must be constant or cosine"),
+        (
+            dict(lr_scheduler_type="cosine", min_lr_ratio=1.5),
+            2,
+            r"--min_lr_ratio 1.5 must be in \[0, 1\]",
+        ),
+        (
+            dict(lr_scheduler_type="cosine", lr_decay_steps_ratio=0.0),
+            2,
+            r"--lr_decay_steps_ratio 0.0 must be in \(0, 1\]",
+        ),
+        (dict(min_lr_ratio=0.1), 2, "shape the cosine schedule: add --lr_scheduler_type cosine"),
+        (
+            dict(lr_decay_steps_ratio=0.3),
+            2,
+            "shape the cosine schedule: add --lr_scheduler_type cosine",
+        ),
+        (
+            dict(skip_all_equal=True, filter_groups=True, skip_explore_prob=0.0),
+            2,
+            r"--skip_explore_prob 0.0 must be in \(0, 1\]",
+        ),
+    ],
+)
 def test_check_args_names_the_flag(kw, world, flag):
     with pytest.raises(SystemExit, match=flag):
         check_args(good_args(**kw), world_size=world)
 
 
-@pytest.mark.parametrize("kw, flag", [
-    (dict(loss_agg_mode="token-sum"), "--loss_agg_mode"),
-    (dict(kl_loss_type="k4"), "--kl_loss_type"),
-])
+@pytest.mark.parametrize(
+    "kw, flag",
+    [
+        (dict(loss_agg_mode="token-sum"), "--loss_agg_mode"),
+        (dict(kl_loss_type="k4"), "--kl_loss_type"),
+    ],
+)
 def test_check_args_rejects_unknown_variants(kw, flag):
     with pytest.raises(ValueError, match=flag):
         check_args(good_args(**kw), world_size=2)
 
 
-# --- properties on a tiny model --------------------------------------------------------------------
+# --- properties on a tiny model -------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(), dtype=torch.float32,
-                                             attn_implementation=sharding.PACKED_ATTENTION)  # as the scripts load it
+    # as the scripts load it
+    model = AutoModelForCausalLM.from_config(
+        tiny_config(), dtype=torch.float32, attn_implementation=sharding.PACKED_ATTENTION
+    )
     with torch.no_grad():  # larger weights than the default init, so log-probs are far from uniform
         for p in model.parameters():
             if p.dim() == 2:
@@ -301,20 +432,29 @@ def model():
     return model
 
 
-def accumulated_grads(model, samples, micro, packed, mode, old_log_probs, ref_log_probs, advantages, mask):
+def accumulated_grads(
+    model, samples, micro, packed, mode, old_log_probs, ref_log_probs, advantages, mask
+):
     """The loss of update_actor's inner loop (pg + kl - entropy bonus) with global denominators,
     accumulated over micro-batches of `micro` sequences; returns the gradient of every parameter."""
     model.zero_grad(set_to_none=True)
-    agg_kw = dict(mode=mode, num_tokens=mask.sum().item(), num_seqs=len(samples), max_response_length=8)
+    agg_kw = dict(
+        mode=mode, num_tokens=mask.sum().item(), num_seqs=len(samples), max_response_length=8
+    )
     for i in range(0, len(samples), micro):
         mb = slice(i, i + micro)
         log_probs, entropy = forward_log_probs(model, samples[mb], 1.0, packed, with_entropy=True)
         Tm = log_probs.shape[1]
         m = mask[mb, :Tm]
-        pg_losses, _ = compute_policy_loss(old_log_probs[mb, :Tm], log_probs, advantages[mb, :Tm], m, 0.2, 0.28, 3.0)
+        pg_losses, _ = compute_policy_loss(
+            old_log_probs[mb, :Tm], log_probs, advantages[mb, :Tm], m, 0.2, 0.28, 3.0
+        )
         kl = kl_penalty(log_probs, ref_log_probs[mb, :Tm], "low_var_kl")
-        loss = (agg_loss(pg_losses, m, **agg_kw) + 0.1 * agg_loss(kl, m, **agg_kw)
-                - 0.01 * agg_loss(entropy, m, **agg_kw))
+        loss = (
+            agg_loss(pg_losses, m, **agg_kw)
+            + 0.1 * agg_loss(kl, m, **agg_kw)
+            - 0.01 * agg_loss(entropy, m, **agg_kw)
+        )
         loss.backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -341,10 +481,12 @@ def test_micro_batching_leaves_the_gradient_unchanged(model, mode, packed):
 
 
 def test_update_actor_weighs_the_policy_gradient_by_the_is_weights(model, monkeypatch):
-    """--rollout_is: weights of 1 take the same steps as none; weights of 0.5 halve the first step's gradient
-    (no KL or entropy term, no clipping of the norm: the loss is the policy loss alone)."""
+    """--rollout_is: weights of 1 take the same steps as none; weights of 0.5 halve the first step's
+    gradient (no KL or entropy term, no clipping of the norm: the loss is the policy loss alone)."""
     monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
-    args = Args(rollout_n=2, train_batch_size=2, ppo_mini_batch_size=1, grad_clip=1e9, use_kl_loss=False)
+    args = Args(
+        rollout_n=2, train_batch_size=2, ppo_mini_batch_size=1, grad_clip=1e9, use_kl_loss=False
+    )
     plain = update_actor_steps(model, args, ref=False)
     ones = update_actor_steps(model, args, ref=False, is_weights=torch.ones(4, 6))
     halves = update_actor_steps(model, args, ref=False, is_weights=torch.full((4, 6), 0.5))
@@ -355,9 +497,9 @@ def test_update_actor_weighs_the_policy_gradient_by_the_is_weights(model, monkey
 
 
 def update_actor_steps(model, args, ref=True, is_weights=None):
-    """update_actor at a world size of one (the caller patches dist.get_world_size) on 2 prompts x n = 2
-    of fixed samples, old and reference log-probs (none if not `ref`: no KL loss) and advantages: the
-    gradient at each optimizer step (GradRecorder) and the metrics."""
+    """update_actor at a world size of one (the caller patches dist.get_world_size) on 2 prompts x n
+    = 2 of fixed samples, old and reference log-probs (none if not `ref`: no KL loss) and
+    advantages: the gradient at each optimizer step (GradRecorder) and the metrics."""
     samples = make_samples(LENGTHS, seed=3)
     with torch.no_grad():
         log_probs, _ = forward_log_probs(model, samples, 1.0, True, with_entropy=False)
@@ -368,17 +510,29 @@ def update_actor_steps(model, args, ref=True, is_weights=None):
     advantages = compute_grpo_outcome_advantage(torch.tensor([1.0, 0.0, 0.2, 0.7]), mask, n=2)
     recorder = GradRecorder(model)
     model.zero_grad(set_to_none=True)  # the trainer enters each update with no gradients
-    metrics = train_grpo.update_actor(model, recorder, samples, old_log_probs, ref_log_probs if ref else None,
-                                      advantages, mask, args, step=1, device=torch.device("cpu"),
-                                      is_weights=is_weights)
+    metrics = train_grpo.update_actor(
+        model,
+        recorder,
+        samples,
+        old_log_probs,
+        ref_log_probs if ref else None,
+        advantages,
+        mask,
+        args,
+        step=1,
+        device=torch.device("cpu"),
+        is_weights=is_weights,
+    )
     return recorder.steps, metrics
 
 
 def test_update_actor_logs_kl_loss_only_with_the_kl_term(model, monkeypatch):
-    """Without --use_kl_loss the update gets no reference log-probs and logs no actor/kl_loss (as verl):
-    a logged 0 would read as a policy that never left the reference."""
+    """Without --use_kl_loss the update gets no reference log-probs and logs no actor/kl_loss (as
+    verl): a logged 0 would read as a policy that never left the reference."""
     monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
-    args = Args(rollout_n=2, train_batch_size=2, ppo_mini_batch_size=1, grad_clip=1e9, kl_loss_coef=0.1)
+    args = Args(
+        rollout_n=2, train_batch_size=2, ppo_mini_batch_size=1, grad_clip=1e9, kl_loss_coef=0.1
+    )
     with_kl = update_actor_steps(model, args)[1]
     without = update_actor_steps(model, dataclasses.replace(args, use_kl_loss=False), ref=False)[1]
     assert with_kl["actor/kl_loss"] > 0
@@ -386,12 +540,21 @@ def test_update_actor_logs_kl_loss_only_with_the_kl_term(model, monkeypatch):
 
 
 def test_update_actor_gradient_does_not_depend_on_micro_batch_size(model, monkeypatch):
-    # update_actor itself, at a world size of one: 2 prompts x n = 2 in mini-batches of 1 prompt (2 sequences)
+    # update_actor itself, at a world size of one: 2 prompts x n = 2 in mini-batches of 1 prompt (2
+    # sequences)
     monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
     results = {}
     for micro in (1, 2):
-        args = Args(rollout_n=2, train_batch_size=2, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=micro,
-                    kl_loss_coef=0.1, entropy_coeff=0.01, grad_clip=1e9, loss_agg_mode="seq-mean-token-mean")
+        args = Args(
+            rollout_n=2,
+            train_batch_size=2,
+            ppo_mini_batch_size=1,
+            ppo_micro_batch_size_per_gpu=micro,
+            kl_loss_coef=0.1,
+            entropy_coeff=0.01,
+            grad_clip=1e9,
+            loss_agg_mode="seq-mean-token-mean",
+        )
         results[micro] = update_actor_steps(model, args)
     (steps1, metrics1), (steps2, metrics2) = results[1], results[2]
     assert len(steps1) == len(steps2) == 2  # one optimizer step per mini-batch
@@ -406,19 +569,29 @@ def test_update_actor_gradient_does_not_depend_on_micro_batch_size(model, monkey
 
 
 def test_update_actor_recomputes_with_gradient_checkpointing(model, monkeypatch):
-    """--enable_gradient_checkpointing acts in the update: Hugging Face checkpoints only in train mode,
-    and from_pretrained leaves a model in eval mode, so update_actor switches to train mode (and back).
-    Each decoder layer then runs its forward again in the backward; the steps are the same."""
+    """--enable_gradient_checkpointing acts in the update: Hugging Face checkpoints only in train
+    mode, and from_pretrained leaves a model in eval mode, so update_actor switches to train mode
+    (and back). Each decoder layer then runs its forward again in the backward; the steps are the
+    same."""
     monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
-    args = Args(rollout_n=2, train_batch_size=2, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1,
-                kl_loss_coef=0.1, entropy_coeff=0.01, grad_clip=1e9)
+    args = Args(
+        rollout_n=2,
+        train_batch_size=2,
+        ppo_mini_batch_size=1,
+        ppo_micro_batch_size_per_gpu=1,
+        kl_loss_coef=0.1,
+        entropy_coeff=0.01,
+        grad_clip=1e9,
+    )
     calls = []
     hook = sharding.decoder_layers(model)[0].register_forward_pre_hook(lambda *_: calls.append(1))
     results = {}
     try:
         for checkpointing in (False, True):
             if checkpointing:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
             model.eval()  # as from_pretrained returns it
             calls.clear()
             results[checkpointing] = update_actor_steps(model, args)[0], len(calls)
@@ -427,7 +600,8 @@ def test_update_actor_recomputes_with_gradient_checkpointing(model, monkeypatch)
         hook.remove()
         model.gradient_checkpointing_disable()
     (plain, plain_calls), (recomputed, recomputed_calls) = results[False], results[True]
-    # the helper's no-grad pass, then 2 mini-batches of 2 micro-batches, each forward once more in the backward
+    # the helper's no-grad pass, then 2 mini-batches of 2 micro-batches, each forward once more in
+    # the backward
     assert plain_calls == 1 + 4 and recomputed_calls == 1 + 4 + 4
     for a, b in zip(plain, recomputed):
         for name in a:
@@ -441,13 +615,24 @@ def test_update_actor_with_fused_kernels_takes_the_same_steps(model, monkeypatch
     monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
     calls = []
     real = sharding.fused_log_probs
-    monkeypatch.setattr(sharding, "fused_log_probs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        sharding, "fused_log_probs", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     results = {}
     for fused in (False, True):
-        args = Args(rollout_n=2, train_batch_size=2, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1,
-                    kl_loss_coef=0.1, entropy_coeff=0.01, grad_clip=1e9, use_fused_kernels=fused)
+        args = Args(
+            rollout_n=2,
+            train_batch_size=2,
+            ppo_mini_batch_size=1,
+            ppo_micro_batch_size_per_gpu=1,
+            kl_loss_coef=0.1,
+            entropy_coeff=0.01,
+            grad_clip=1e9,
+            use_fused_kernels=fused,
+        )
         results[fused] = update_actor_steps(model, args)
-    assert len(calls) == 4  # 4 micro-batches of one sequence, all with the fused head; none without the flag
+    # 4 micro-batches of one sequence, all with the fused head; none without the flag
+    assert len(calls) == 4
     (steps, metrics), (fused_steps, fused_metrics) = results[False], results[True]
     for a, b in zip(steps, fused_steps):
         for name in a:
@@ -457,23 +642,41 @@ def test_update_actor_with_fused_kernels_takes_the_same_steps(model, monkeypatch
 
 
 def test_a_last_partial_mini_batch_is_its_own_global_mean(model, monkeypatch):
-    # 3 prompts x n = 2 = 6 sequences in mini-batches of 2 prompts: 4 + 2 sequences, micro-batches of 3
-    # (3 + 1, then 2). Each optimizer step must see the gradient of its own mini-batch alone.
+    # 3 prompts x n = 2 = 6 sequences in mini-batches of 2 prompts: 4 + 2 sequences, micro-batches
+    # of 3 (3 + 1, then 2). Each optimizer step must see the gradient of its own mini-batch alone.
     monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
     samples = make_samples(LENGTHS + [(4, 5), (6, 2)], seed=5)
     with torch.no_grad():
         log_probs, _ = forward_log_probs(model, samples, 1.0, True, with_entropy=False)
     mask = sharding.response_targets(samples, 6, "cpu")[1]
     old_log_probs = log_probs + 0.1 * mask
-    advantages = compute_grpo_outcome_advantage(torch.tensor([1.0, 0.0, 0.2, 0.7, 0.0, 1.0]), mask, n=2)
+    advantages = compute_grpo_outcome_advantage(
+        torch.tensor([1.0, 0.0, 0.2, 0.7, 0.0, 1.0]), mask, n=2
+    )
 
     def grads(rows, prompts, mini, micro):
-        args = Args(rollout_n=2, train_batch_size=prompts, ppo_mini_batch_size=mini, ppo_micro_batch_size_per_gpu=micro,
-                    grad_clip=1e9, loss_agg_mode="seq-mean-token-mean")
+        args = Args(
+            rollout_n=2,
+            train_batch_size=prompts,
+            ppo_mini_batch_size=mini,
+            ppo_micro_batch_size_per_gpu=micro,
+            grad_clip=1e9,
+            loss_agg_mode="seq-mean-token-mean",
+        )
         recorder = GradRecorder(model)
         model.zero_grad(set_to_none=True)
-        train_grpo.update_actor(model, recorder, [samples[i] for i in rows], old_log_probs[rows], None,
-                                advantages[rows], mask[rows], args, step=1, device=torch.device("cpu"))
+        train_grpo.update_actor(
+            model,
+            recorder,
+            [samples[i] for i in rows],
+            old_log_probs[rows],
+            None,
+            advantages[rows],
+            mask[rows],
+            args,
+            step=1,
+            device=torch.device("cpu"),
+        )
         return recorder.steps
 
     partial = grads(list(range(6)), 3, 2, 3)

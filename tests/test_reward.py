@@ -1,5 +1,5 @@
-"""reward.py: GSM8K scoring against a hand-worked table and verl's reference, dispatch, custom rewards,
-validation metrics (mean@k, pass@k, extras) by hand."""
+"""reward.py: GSM8K scoring against a hand-worked table and verl's reference, dispatch, custom
+rewards, validation metrics (mean@k, pass@k, extras) by hand."""
 
 import random
 import re
@@ -36,7 +36,13 @@ TABLE = [
     ("#### 42\n" + "x" * 292, "42", 1.0, 1.0),
     # ... and at 301 chars the first "#" is clipped: "### 42" is no marker, but 42 is still a number
     ("#### 42\n" + "x" * 293, "42", 0.0, 1.0),
-    ("#### 42\n" + "x" * 400, "42", 0.0, 0.0),  # marker 408 chars from the end: nothing left to find
+    # marker 408 chars from the end: nothing left to find
+    (
+        "#### 42\n" + "x" * 400,
+        "42",
+        0.0,
+        0.0,
+    ),
 ]
 
 
@@ -56,7 +62,8 @@ def test_gsm8k_extract():
 
 
 def _verl_strict(solution_str):
-    """verl's extract_solution(method="strict"), verl/utils/reward_score/gsm8k.py, as the reference."""
+    """verl's extract_solution(method="strict"), verl/utils/reward_score/gsm8k.py, as the
+    reference."""
     if len(solution_str) > 300:
         solution_str = solution_str[-300:]
     solutions = re.findall("#### (\\-?[0-9\\.\\,]+)", solution_str)
@@ -66,7 +73,9 @@ def _verl_strict(solution_str):
 def test_strict_matches_verl_on_random_strings():
     rng = random.Random(0)
     pieces = ["#### ", "####", "#", " ", "-", "1", "23", ".", ",", "$", "x", "\n", "\\boxed{", "}"]
-    for response in [r for r, *_ in TABLE] + ["".join(rng.choices(pieces, k=rng.randint(0, 200))) for _ in range(2000)]:
+    for response in [r for r, *_ in TABLE] + [
+        "".join(rng.choices(pieces, k=rng.randint(0, 200))) for _ in range(2000)
+    ]:
         assert gsm8k_extract(response) == _verl_strict(response), response
 
 
@@ -82,7 +91,11 @@ def test_compute_score_dispatch():
 
 
 def test_scorers_register_one_line(monkeypatch):
-    monkeypatch.setitem(reward.SCORERS, "echo", lambda solution_str, ground_truth, method: float(solution_str == "hi"))
+    monkeypatch.setitem(
+        reward.SCORERS,
+        "echo",
+        lambda solution_str, ground_truth, method: float(solution_str == "hi"),
+    )
     assert compute_score("echo", "hi", "") == 1.0
 
 
@@ -140,7 +153,12 @@ def test_custom_float_and_dict(reward_file):
     assert extras == {"acc": [1.0, 0.0], "only_b": [0.0, 1.0]}
     assert n_errors == 0
 
-    assert load_reward_function(reward_file, "by_kwargs")(data_source="", solution_str="", ground_truth="") == 1.0
+    assert (
+        load_reward_function(reward_file, "by_kwargs")(
+            data_source="", solution_str="", ground_truth=""
+        )
+        == 1.0
+    )
 
 
 def test_custom_file_errors(tmp_path, reward_file):
@@ -154,7 +172,11 @@ def test_custom_file_errors(tmp_path, reward_file):
         load_reward_function(tmp_path / "broken.py")
     with pytest.raises(AttributeError) as e:
         load_reward_function(reward_file, "score_it")
-    assert "'score_it'" in str(e.value) and "'with_extras'" in str(e.value) and "'too_few'" in str(e.value)
+    assert (
+        "'score_it'" in str(e.value)
+        and "'with_extras'" in str(e.value)
+        and "'too_few'" in str(e.value)
+    )
     with pytest.raises(TypeError, match="not a function"):
         load_reward_function(reward_file, "NOT_A_FUNCTION")
     with pytest.raises(TypeError, match="too_few"):
@@ -170,33 +192,41 @@ def test_score_batch_errors(reward_file):
     assert "sample 1" in message and "'bad'" in message and repr(response[:200]) in message
     assert isinstance(e.value.__cause__, KeyError)
 
-    scores, _, n_errors = score_batch(fn, ["bad", "ok", "bad"], ["r"] * 3, ["1"] * 3, [None] * 3,
-                                           reward_errors="zero")
+    scores, _, n_errors = score_batch(
+        fn, ["bad", "ok", "bad"], ["r"] * 3, ["1"] * 3, [None] * 3, reward_errors="zero"
+    )
     assert scores == [0.0, 1.0, 0.0] and n_errors == 2
 
 
-@pytest.mark.parametrize("returned", ["None", "'1.0'", "float('nan')", "{'acc': 1.0}", "{'score': None}"])
+@pytest.mark.parametrize(
+    "returned", ["None", "'1.0'", "float('nan')", "{'acc': 1.0}", "{'score': None}"]
+)
 def test_score_batch_bad_return(reward_file, returned):
     fn = load_reward_function(reward_file, "returns")
     with pytest.raises(RuntimeError, match="sample 0.*must return a number"):
         score_batch(fn, ["a"], [returned], ["1"], [None])
-    scores, extras, n_errors = score_batch(fn, ["a", "a"], [returned, "True"], ["1", "1"], [None, None],
-                                           reward_errors="zero")
+    scores, extras, n_errors = score_batch(
+        fn, ["a", "a"], [returned, "True"], ["1", "1"], [None, None], reward_errors="zero"
+    )
     assert scores == [0.0, 1.0] and extras == {} and n_errors == 1
 
 
 def test_score_batch_builtin():
-    scores, _, n_errors = score_batch(compute_score, [GSM8K] * 2, ["#### 18", "18"], ["18", "18"], [None] * 2)
+    scores, _, n_errors = score_batch(
+        compute_score, [GSM8K] * 2, ["#### 18", "18"], ["18", "18"], [None] * 2
+    )
     assert scores == [1.0, 0.0] and n_errors == 0
-    scores, _, _ = score_batch(compute_score, [GSM8K] * 2, ["#### 18", "18"], ["18", "18"], [None] * 2,
-                               method="flexible")
+    scores, _, _ = score_batch(
+        compute_score, [GSM8K] * 2, ["#### 18", "18"], ["18", "18"], [None] * 2, method="flexible"
+    )
     assert scores == [1.0, 1.0]
 
 
 def test_score_batch_accepts_numpy_scalars():
     np = pytest.importorskip("numpy")
-    scores, extras, _ = score_batch(lambda **kw: {"score": np.float32(0.5), "acc": np.int64(1)}, ["a"], ["r"], ["1"],
-                                    [None])
+    scores, extras, _ = score_batch(
+        lambda **kw: {"score": np.float32(0.5), "acc": np.int64(1)}, ["a"], ["r"], ["1"], [None]
+    )
     assert scores == [0.5] and extras == {"acc": [1.0]}
 
 
@@ -218,7 +248,12 @@ def test_pass_at_k_by_hand():
 PARTIAL = [
     ("3 + 4 = 7\n#### 7", "7", 1.0),
     ("The answer is \\boxed{7}", "7", 0.5),  # right, not in the asked-for format
-    ("#### 18\nSo she has 3 apples left.", "18", 1.0),  # strict right, the last number wrong: still 1
+    # strict right, the last number wrong: still 1
+    (
+        "#### 18\nSo she has 3 apples left.",
+        "18",
+        1.0,
+    ),
     ("#### 17\nno: 18", "18", 0.5),  # the marker's number wrong, the last number right
     ("#### 17", "18", 0.0),
     ("The answer is \\boxed{17}", "18", 0.0),
@@ -229,31 +264,65 @@ PARTIAL = [
 def test_gsm8k_partial_credit_table(response, truth, score):
     out = reward.gsm8k_partial_credit(GSM8K, response, truth)
     assert out == {"score": score, "acc": gsm8k_score(response, truth)}
-    assert reward.gsm8k_partial_credit(GSM8K, response, truth, partial=0.2)["score"] == (score if score != 0.5 else 0.2)
+    assert reward.gsm8k_partial_credit(GSM8K, response, truth, partial=0.2)["score"] == (
+        score if score != 0.5 else 0.2
+    )
 
 
 def test_gsm8k_partial_credit_as_a_custom_reward_file():
-    """The documented use: reward.py itself as the custom reward file. Other data sources score as built in."""
+    """The documented use: reward.py itself as the custom reward file. Other data sources score as
+    built in."""
     fn = load_reward_function(reward.__file__, "gsm8k_partial_credit")
-    scores, extras, n_errors = score_batch(fn, [GSM8K, GSM8K, "arith"], ["\\boxed{7}", "#### 7", "85, since"],
-                                           ["7", "7", "85"], [None] * 3)
+    scores, extras, n_errors = score_batch(
+        fn,
+        [GSM8K, GSM8K, "arith"],
+        ["\\boxed{7}", "#### 7", "85, since"],
+        ["7", "7", "85"],
+        [None] * 3,
+    )
     assert scores == [0.5, 1.0, 1.0] and n_errors == 0
     assert extras == {"acc": [0.0, 1.0, 0.0]}  # arith returns a float: no "acc", counted 0
 
 
 def test_validation_metrics_by_hand():
     nan = float("nan")
-    rows = [("a", {"reward": [1.0, 0.0], "reward_flexible": [1.0, 1.0], "acc": [1.0, 0.0], "fmt": [0.5, 0.5]}, [3, 5]),
-            ("a", {"reward": [0.0, 0.0], "reward_flexible": [0.0, 1.0]}, [4, 4]),  # the reward returned no extras
-            ("b", {"reward": [1.0, 1.0], "reward_flexible": [nan, nan]}, [2, 2])]  # no flexible scorer
+    # no flexible scorer
+    rows = [
+        (
+            "a",
+            {
+                "reward": [1.0, 0.0],
+                "reward_flexible": [1.0, 1.0],
+                "acc": [1.0, 0.0],
+                "fmt": [0.5, 0.5],
+            },
+            [3, 5],
+        ),
+        # the reward returned no extras
+        (
+            "a",
+            {"reward": [0.0, 0.0], "reward_flexible": [0.0, 1.0]},
+            [4, 4],
+        ),
+        ("b", {"reward": [1.0, 1.0], "reward_flexible": [nan, nan]}, [2, 2]),
+    ]
     assert reward.validation_metrics(rows, 2) == {
         # pass@1 = mean over problems of (right / 2); pass@2: any right
-        "val-core/a/reward/mean@2": 0.25, "val-core/a/reward/pass@1": 0.25, "val-core/a/reward/pass@2": 0.5,
-        "val-core/a/reward_flexible/mean@2": 0.75, "val-core/a/reward_flexible/pass@1": 0.75,
+        "val-core/a/reward/mean@2": 0.25,
+        "val-core/a/reward/pass@1": 0.25,
+        "val-core/a/reward/pass@2": 0.5,
+        "val-core/a/reward_flexible/mean@2": 0.75,
+        "val-core/a/reward_flexible/pass@1": 0.75,
         "val-core/a/reward_flexible/pass@2": 1.0,
-        # "acc" (verl's core score) with pass@k; other extras as val-aux means; a missing extra counts 0
-        "val-core/a/acc/mean@2": 0.25, "val-core/a/acc/pass@1": 0.25, "val-core/a/acc/pass@2": 0.5,
+        # "acc" (verl's core score) with pass@k; other extras as val-aux means; a missing extra
+        # counts 0
+        "val-core/a/acc/mean@2": 0.25,
+        "val-core/a/acc/pass@1": 0.25,
+        "val-core/a/acc/pass@2": 0.5,
         "val-aux/a/fmt/mean@2": 0.25,
         "val-aux/a/response_length/mean": 4.0,
-        "val-core/b/reward/mean@2": 1.0, "val-core/b/reward/pass@1": 1.0, "val-core/b/reward/pass@2": 1.0,
-        "val-aux/b/response_length/mean": 2.0}
+        "val-core/b/reward/mean@2": 1.0,
+        "val-core/b/reward/pass@1": 1.0,
+        "val-core/b/reward/pass@2": 1.0,
+        "val-aux/b/response_length/mean": 2.0,
+    }

@@ -1,6 +1,7 @@
-"""run.py's accounting and plumbing against small examples worked out by hand: FLOPs per token and each
-phase's throughput and MFU, the learning rate's schedule (warmup, cosine, warmup-stable-decay), the Timer's
-per-phase peak memory without a sleeping engine's pool, and the Logger finishing its background loggers.
+"""run.py's accounting and plumbing against small examples worked out by hand: FLOPs per token and
+each phase's throughput and MFU, the learning rate's schedule (warmup, cosine, warmup-stable-decay),
+the Timer's per-phase peak memory without a sleeping engine's pool, and the Logger finishing its
+background loggers.
 """
 
 from types import SimpleNamespace
@@ -17,8 +18,12 @@ from train_grpo import Args
 
 
 def close(actual, expected, atol=1e-4, rtol=0.0):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32),
-                               torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=rtol)
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float32),
+        torch.as_tensor(expected, dtype=torch.float32),
+        atol=atol,
+        rtol=rtol,
+    )
 
 
 # --- FLOPs and MFU --------------------------------------------------------------------------------
@@ -27,36 +32,42 @@ def close(actual, expected, atol=1e-4, rtol=0.0):
 def test_flops_per_token_by_hand():
     # tiny config: h = 128, L = 2, V = 320, 4 heads and 2 kv heads of head_dim 32, intermediate 256
     # q = 4 * 32 = 128, kv = 2 * 32 = 64
-    # per layer: q,k,v proj h*(q + 2kv) = 128 * 256 = 32768; o proj q*h = 16384; mlp 3*h*I = 98304 -> 147456
-    # 2 * (L * 147456 + V * h) = 2 * (294912 + 40960) = 671744
+    # per layer: q,k,v proj h*(q + 2kv) = 128 * 256 = 32768; o proj q*h = 16384; mlp 3*h*I = 98304
+    # -> 147456 2 * (L * 147456 + V * h) = 2 * (294912 + 40960) = 671744
     # attention at seq_len 100: 2 * L * seq_len * q = 2 * 2 * 100 * 128 = 51200 -> 722944
     assert flops_per_token(tiny_config(tie=True), 0) == 671744
     assert flops_per_token(tiny_config(tie=True), 100) == 722944
     # tied and untied count the lm_head once and the embedding lookup never
     assert flops_per_token(tiny_config(tie=False), 100) == 722944
-    # = 2 x the matrix parameters a token passes through (the tied model holds the V x h matrix once)
+    # = 2 x the matrix parameters a token passes through (the tied model holds the V x h matrix
+    # once)
     model = AutoModelForCausalLM.from_config(tiny_config(tie=True))
-    assert flops_per_token(model.config, 0) == 2 * sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    assert flops_per_token(model.config, 0) == 2 * sum(
+        p.numel() for p in model.parameters() if p.dim() == 2
+    )
 
 
 def test_phase_perf_by_hand():
-    # tiny config at seq_len 100: 722944 FLOPs per token forward, of which the lm_head is 2 * V * h = 81920
-    # 1000 tokens, 400 of them response tokens: 1000 * (722944 - 81920) + 400 * 81920 = 673792000
+    # tiny config at seq_len 100: 722944 FLOPs per token forward, of which the lm_head is 2 * V * h
+    # = 81920 1000 tokens, 400 of them response tokens: 1000 * (722944 - 81920) + 400 * 81920
+    # = 673792000
     t = {"timing_s/old_log_prob": 2.0, "timing_s/update_actor": 3.0, "timing_s/update_weights": 0.5}
     perf = run.phase_perf(t, tiny_config(tie=True), 100, 1000, 400, 1e9, 2, 4e9)
     assert perf["perf/tflops/old_log_prob"] == pytest.approx(673792000 / 2.0 / 1e12)
     assert perf["perf/mfu/old_log_prob"] == pytest.approx(673792000 / 2.0 / 1e9)
-    assert perf["perf/mfu/actor"] == pytest.approx(3 * 2 * 673792000 / 3.0 / 1e9)  # 3 passes x 2 epochs
+    # 3 passes x 2 epochs
+    assert perf["perf/mfu/actor"] == pytest.approx(3 * 2 * 673792000 / 3.0 / 1e9)
     assert "perf/mfu/ref" not in perf  # no reference phase ran
     assert perf["perf/weight_sync_gb_s"] == pytest.approx(8.0) and perf["perf/peak_tflops"] == 1e-3
 
 
-# --- the learning rate's schedule ------------------------------------------------------------------
+# --- the learning rate's schedule -----------------------------------------------------------------
 
 
 def test_lr_lambda_warmup_then_cosine():
     # warmup 2 of 6 steps: (step + 1) / 2 -> 0.5, 1.0
-    # cosine after: 0.5 * (1 + cos(pi * (step - 2) / 4)) -> step 2: 1.0, 3: 0.85355, 4: 0.5, 5: 0.14645
+    # cosine after: 0.5 * (1 + cos(pi * (step - 2) / 4)) -> step 2: 1.0, 3: 0.85355, 4: 0.5, 5:
+    # 0.14645
     f = lr_lambda(Args(lr_warmup_steps=2, lr_scheduler_type="cosine"), total_steps=6)
     close([f(s) for s in range(6)], [0.5, 1.0, 1.0, 0.85355, 0.5, 0.14645], atol=1e-5)
     f = lr_lambda(Args(lr_warmup_steps=2, lr_scheduler_type="constant"), total_steps=6)
@@ -68,23 +79,36 @@ def test_lr_lambda_warmup_then_cosine():
 
 
 def test_lr_lambda_warmup_stable_decay():
-    # 10 steps, the last 0.3 decay: held at 1 for steps 0-6, then over steps 7-9 a cosine from 1 towards 0.1:
-    # 0.1 + 0.9 * 0.5 * (1 + cos(pi * k / 3)) for k = 0, 1, 2 -> 1.0, 0.775, 0.325
-    f = lr_lambda(Args(lr_scheduler_type="cosine", min_lr_ratio=0.1, lr_decay_steps_ratio=0.3), total_steps=10)
+    # 10 steps, the last 0.3 decay: held at 1 for steps 0-6, then over steps 7-9 a cosine from 1
+    # towards 0.1: 0.1 + 0.9 * 0.5 * (1 + cos(pi * k / 3)) for k = 0, 1, 2 -> 1.0, 0.775, 0.325
+    f = lr_lambda(
+        Args(lr_scheduler_type="cosine", min_lr_ratio=0.1, lr_decay_steps_ratio=0.3), total_steps=10
+    )
     close([f(s) for s in range(10)], [1.0] * 7 + [1.0, 0.775, 0.325], atol=1e-6)
-    # with warmup 2 of 6 and the whole rest decaying to 0.5: 0.5 + 0.5 * 0.5 * (1 + cos(pi * k / 4)), k = 0..3
-    f = lr_lambda(Args(lr_warmup_steps=2, lr_scheduler_type="cosine", min_lr_ratio=0.5), total_steps=6)
+    # with warmup 2 of 6 and the whole rest decaying to 0.5: 0.5 + 0.5 * 0.5 * (1 + cos(pi * k
+    # / 4)), k = 0..3
+    f = lr_lambda(
+        Args(lr_warmup_steps=2, lr_scheduler_type="cosine", min_lr_ratio=0.5), total_steps=6
+    )
     close([f(s) for s in range(6)], [0.5, 1.0, 1.0, 0.92678, 0.75, 0.57322], atol=1e-5)
-    # a decay longer than what follows the warmup starts at the warmup's end: 0.9 of 6 steps -> from step 2
-    f = lr_lambda(Args(lr_warmup_steps=2, lr_scheduler_type="cosine", lr_decay_steps_ratio=0.9), total_steps=6)
+    # a decay longer than what follows the warmup starts at the warmup's end: 0.9 of 6 steps
+    # -> from step 2
+    f = lr_lambda(
+        Args(lr_warmup_steps=2, lr_scheduler_type="cosine", lr_decay_steps_ratio=0.9), total_steps=6
+    )
     close([f(s) for s in range(6)], [0.5, 1.0, 1.0, 0.85355, 0.5, 0.14645], atol=1e-5)
     # the PPO script's flags give the same schedule (both scripts once had a copy of lr_lambda)
-    kw = dict(lr_warmup_steps=1, lr_scheduler_type="cosine", min_lr_ratio=0.2, lr_decay_steps_ratio=0.5)
-    grpo, ppo = lr_lambda(Args(**kw), total_steps=9), run.lr_lambda(train_ppo.Args(**kw), total_steps=9)
+    kw = dict(
+        lr_warmup_steps=1, lr_scheduler_type="cosine", min_lr_ratio=0.2, lr_decay_steps_ratio=0.5
+    )
+    grpo, ppo = (
+        lr_lambda(Args(**kw), total_steps=9),
+        run.lr_lambda(train_ppo.Args(**kw), total_steps=9),
+    )
     assert [grpo(s) for s in range(9)] == [ppo(s) for s in range(9)]
 
 
-# --- timing, memory, logging -----------------------------------------------------------------------
+# --- timing, memory, logging ----------------------------------------------------------------------
 
 
 class FakeCudaMemory:
@@ -108,10 +132,11 @@ class SleepyEngine:
 
 
 def test_phase_peaks_leave_out_the_sleeping_engines_pool(monkeypatch):
-    """By hand, in GiB: torch counts the engine's 80 GiB pool all along. gen peaks at 90 with the engine
-    awake (it sleeps at the end: kept, 90); the update peaks at 130 with it asleep throughout: 130 - 80
-    = 50; the sync peaks at 95 and wakes it: kept, 95. The outer step records no peak of its own (its
-    inner phases reset the counter), and without an engine nothing is subtracted."""
+    """By hand, in GiB: torch counts the engine's 80 GiB pool all along. gen peaks at 90 with the
+    engine awake (it sleeps at the end: kept, 90); the update peaks at 130 with it asleep
+    throughout: 130 - 80 = 50; the sync peaks at 95 and wakes it: kept, 95. The outer step records
+    no peak of its own (its inner phases reset the counter), and without an engine nothing is
+    subtracted."""
     memory, engine, metrics = FakeCudaMemory(monkeypatch), SleepyEngine(), {}
     timer = run.Timer(metrics, torch.device("cuda"), engine)
     with timer("step"):
@@ -123,10 +148,18 @@ def test_phase_peaks_leave_out_the_sleeping_engines_pool(monkeypatch):
         with timer("update_weights"):
             memory.peak = 95 * 2**30
             engine.sleeping = False
-    peaks = {k.split("/")[-1]: v for k, v in metrics.items() if k.startswith("perf/max_memory_allocated_gb/")}
+    peaks = {
+        k.split("/")[-1]: v
+        for k, v in metrics.items()
+        if k.startswith("perf/max_memory_allocated_gb/")
+    }
     assert peaks == {"gen": 90.0, "update_actor": 50.0, "update_weights": 95.0}
     assert set(metrics) - {f"perf/max_memory_allocated_gb/{k}" for k in peaks} == {
-        "timing_s/step", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights"}
+        "timing_s/step",
+        "timing_s/gen",
+        "timing_s/update_actor",
+        "timing_s/update_weights",
+    }
     engine.sleeping, plain = True, {}
     with run.Timer(plain, torch.device("cuda"))("save_checkpoint"):
         memory.peak = 130 * 2**30
@@ -134,8 +167,9 @@ def test_phase_peaks_leave_out_the_sleeping_engines_pool(monkeypatch):
 
 
 def test_logger_close_finishes_the_background_loggers(tmp_path):
-    """A finished run ends with os._exit, which runs no exit hooks: the run itself finishes the wandb run and
-    writes tensorboard's pending events (stand-ins here: neither package is installed for the tests)."""
+    """A finished run ends with os._exit, which runs no exit hooks: the run itself finishes the
+    wandb run and writes tensorboard's pending events (stand-ins here: neither package is installed
+    for the tests)."""
     calls = []
     logger = run.Logger(run.RunArgs(logger="jsonl"), str(tmp_path))
     logger.close()  # none of them on: nothing to close

@@ -1,10 +1,12 @@
-"""sharding.py's passes against small examples worked out by hand, and their properties: packed equals
-padded and a loop over sequences (log-probs, entropy, values), compiled, chunked and fused log-probs equal
-autograd through the whole logits, micro-batches by count and by token budget, packed attention equals a
-block-diagonal causal mask, clip_and_step clips and steps or stops; in subprocesses, the frozen reference
-reusing the actor's compiled layers, and fused log-probs under FSDP2 on two gloo ranks.
+"""sharding.py's passes against small examples worked out by hand, and their properties: packed
+equals padded and a loop over sequences (log-probs, entropy, values), compiled, chunked and fused
+log-probs equal autograd through the whole logits, micro-batches by count and by token budget,
+packed attention equals a block-diagonal causal mask, clip_and_step clips and steps or stops; in
+subprocesses, the frozen reference reusing the actor's compiled layers, and fused log-probs under
+FSDP2 on two gloo ranks.
 
-Shapes as in the train scripts: N sequences, T response tokens, V vocabulary; K tokens, H hidden size.
+Shapes as in the train scripts: N sequences, T response tokens, V vocabulary; K tokens, H hidden
+size.
 """
 
 import math
@@ -27,35 +29,43 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def close(actual, expected, atol=1e-5, rtol=0.0):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32),
-                               torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=rtol)
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float32),
+        torch.as_tensor(expected, dtype=torch.float32),
+        atol=atol,
+        rtol=rtol,
+    )
 
 
-# --- entropy ---------------------------------------------------------------------------------------
+# --- entropy --------------------------------------------------------------------------------------
 
 
 def test_entropy_from_logits():
     # uniform over V = 8: H = log 8 = 2.0794
     close(entropy_from_logits(torch.zeros(8)), math.log(8), atol=1e-6)
-    # p = [1/4, 3/4] from logits [0, log 3]: H = 0.25 * 1.3863 + 0.75 * 0.28768 = 0.34657 + 0.21576 = 0.56233
+    # p = [1/4, 3/4] from logits [0, log 3]: H = 0.25 * 1.3863 + 0.75 * 0.28768 = 0.34657 + 0.21576
+    # = 0.56233
     close(entropy_from_logits(torch.tensor([0.0, math.log(3)])), 0.56233, atol=1e-5)
     # one-hot-ish: [100, 0, 0, 0] -> p_other = e^-100: H ~ 0
     close(entropy_from_logits(torch.tensor([100.0, 0, 0, 0])), 0.0, atol=1e-6)
-    # per position over a batch: (2, 3, V) -> (2, 3); adding a constant to the logits changes nothing
+    # per position over a batch: (2, 3, V) -> (2, 3); adding a constant to the logits changes
+    # nothing
     logits = torch.randn(2, 3, 11, generator=torch.Generator().manual_seed(0))
     h = entropy_from_logits(logits)
     assert h.shape == (2, 3)
     close(entropy_from_logits(logits + 50.0), h, atol=1e-4)
 
 
-# --- log-probs on a tiny model: packed, compiled, chunked, fused -----------------------------------
+# --- log-probs on a tiny model: packed, compiled, chunked, fused ----------------------------------
 
 
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(), dtype=torch.float32,
-                                             attn_implementation=sharding.PACKED_ATTENTION)  # as the scripts load it
+    # as the scripts load it
+    model = AutoModelForCausalLM.from_config(
+        tiny_config(), dtype=torch.float32, attn_implementation=sharding.PACKED_ATTENTION
+    )
     with torch.no_grad():  # larger weights than the default init, so log-probs are far from uniform
         for p in model.parameters():
             if p.dim() == 2:
@@ -66,7 +76,8 @@ def model():
 @torch.no_grad()
 def test_packed_log_probs_equal_padded_and_a_loop(model):
     samples = make_samples(LENGTHS)
-    packed, packed_entropy = forward_log_probs(model, samples, 0.7, packed=True, with_entropy=True)  # (N, T)
+    # (N, T)
+    packed, packed_entropy = forward_log_probs(model, samples, 0.7, packed=True, with_entropy=True)
     padded, padded_entropy = forward_log_probs(model, samples, 0.7, packed=False, with_entropy=True)
     assert packed.shape == padded.shape == (4, 6)
     close(packed, padded, atol=1e-5)
@@ -74,12 +85,13 @@ def test_packed_log_probs_equal_padded_and_a_loop(model):
     mask = sharding.response_targets(samples, 6, "cpu")[1]
     for out in (packed, padded, packed_entropy, padded_entropy):
         assert torch.equal(out * (1 - mask), torch.zeros_like(out))  # zero beyond each response
-    # a loop over sequences, each alone and unpadded: log_softmax(logits / 0.7) at the response tokens
+    # a loop over sequences, each alone and unpadded: log_softmax(logits / 0.7) at the response
+    # tokens
     for i, (p, r) in enumerate(samples):
-        logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:-1] / 0.7  # (|r|, V)
+        logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1] / 0.7  # (|r|, V)
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
-        close(packed[i, :len(r)], expected, atol=1e-5)
-        close(packed_entropy[i, :len(r)], entropy_from_logits(logits), atol=1e-5)
+        close(packed[i, : len(r)], expected, atol=1e-5)
+        close(packed_entropy[i, : len(r)], entropy_from_logits(logits), atol=1e-5)
 
 
 def log_prob_entropy_grads(m, samples):
@@ -96,16 +108,22 @@ def test_compiled_layers_and_logits_math_equal_eager(model, monkeypatch):
     """--compile_layers and --use_torch_compile change kernels, not results: without gradients
     (where they compile) log-probs and entropy of packed batches of two shapes equal the eager ones;
     with gradients the layers run eagerly and the log-probs and entropy through their compiled
-    forward and hand-written backward (sharding.CompiledLogProbs): the gradient equals the eager one."""
+    forward and hand-written backward (sharding.CompiledLogProbs): the gradient equals the eager
+    one."""
     import copy
 
     from torch._dynamo.utils import counters
+
     compiled = sharding.compile_layers(copy.deepcopy(model))
     batches = [make_samples(LENGTHS), make_samples([(4, 2), (6, 5), (2, 7)], seed=1)]
 
     def run(m):
         with torch.no_grad():
-            out = [t for s in batches for t in forward_log_probs(m, s, 0.7, packed=True, with_entropy=True)]
+            out = [
+                t
+                for s in batches
+                for t in forward_log_probs(m, s, 0.7, packed=True, with_entropy=True)
+            ]
         return out, log_prob_entropy_grads(m, batches[0])[0]
 
     expected, expected_grads = run(model)
@@ -113,7 +131,8 @@ def test_compiled_layers_and_logits_math_equal_eager(model, monkeypatch):
     sharding.compile_logits_math()
     counters.clear()
     actual, actual_grads = run(compiled)
-    assert counters["stats"]["unique_graphs"] >= 3  # the layer (around attention) and the logits math
+    # the layer (around attention) and the logits math
+    assert counters["stats"]["unique_graphs"] >= 3
     for a, e in zip(actual, expected):
         close(a, e, atol=1e-5)
     for a, e in zip(actual_grads, expected_grads):
@@ -121,15 +140,17 @@ def test_compiled_layers_and_logits_math_equal_eager(model, monkeypatch):
 
 
 def test_compile_update_compiles_the_backward_and_keeps_the_gradient(model, monkeypatch):
-    """--compile_update: the training forward runs through compiled graphs (a compiled backward node in
-    its autograd graph) and its gradients equal eager ones up to fp32 reordering."""
+    """--compile_update: the training forward runs through compiled graphs (a compiled backward node
+    in its autograd graph) and its gradients equal eager ones up to fp32 reordering."""
     import copy
 
     samples = make_samples(LENGTHS)
     expected, _ = log_prob_entropy_grads(model, samples)
     monkeypatch.setattr(sharding, "LOGITS_MATH", dict(sharding.LOGITS_MATH))
     sharding.compile_logits_math()
-    actual, log_probs = log_prob_entropy_grads(sharding.compile_layers(copy.deepcopy(model), with_grad=True), samples)
+    actual, log_probs = log_prob_entropy_grads(
+        sharding.compile_layers(copy.deepcopy(model), with_grad=True), samples
+    )
     nodes, seen = [log_probs.grad_fn], set()
     while nodes:  # walk the autograd graph
         node = nodes.pop()
@@ -144,9 +165,10 @@ def test_compile_update_compiles_the_backward_and_keeps_the_gradient(model, monk
 
 
 def test_compiled_log_probs_by_hand():
-    """Two rows of logits [ln 3, 0] at T = 2: z = [ln 3 / 2, 0], p = [0.633975, 0.366025] (sqrt 3 / (sqrt 3 + 1)).
-    Target 0: log p_0 = -0.455746; target 1: log p_1 = -1.005052. The loss log p_0 + 2 log p_1 has
-    d/dlogits = g (onehot - p) / T: row 0 [0.366025, -0.366025] / 2, row 1 2 [-0.633975, 0.633975] / 2."""
+    """Two rows of logits [ln 3, 0] at T = 2: z = [ln 3 / 2, 0], p = [0.633975, 0.366025] (sqrt 3
+    / (sqrt 3 + 1)). Target 0: log p_0 = -0.455746; target 1: log p_1 = -1.005052. The loss log p_0
+    + 2 log p_1 has d/dlogits = g (onehot - p) / T: row 0 [0.366025, -0.366025] / 2, row 1 2
+      [-0.633975, 0.633975] / 2."""
     logits = torch.tensor([[math.log(3), 0.0]] * 2, requires_grad=True)
     log_probs, entropy = sharding.compiled_log_probs(logits, torch.tensor([0, 1]), 2.0)
     assert entropy is None
@@ -156,13 +178,15 @@ def test_compiled_log_probs_by_hand():
 
 
 def test_compiled_entropy_by_hand():
-    """One row of logits [ln 3, 0] at T = 1 (ChunkedLogProbs' example): p = [3/4, 1/4], log p_0 = -0.287682,
-    H = 0.562335, dH/dz = -p (log p + H) = [-0.205990, 0.205990]. The loss log p_0 + 3 H has
-    d/dlogits = (onehot - p) + 3 dH/dz = [0.25 - 0.617970, -0.25 + 0.617970] = [-0.367970, 0.367970];
-    with the entropy unused (a metric), only the first term: [0.25, -0.25]."""
+    """One row of logits [ln 3, 0] at T = 1 (ChunkedLogProbs' example): p = [3/4, 1/4], log p_0
+    = -0.287682, H = 0.562335, dH/dz = -p (log p + H) = [-0.205990, 0.205990]. The loss log p_0 + 3
+    H has d/dlogits = (onehot - p) + 3 dH/dz = [0.25 - 0.617970, -0.25 + 0.617970] = [-0.367970,
+    0.367970]; with the entropy unused (a metric), only the first term: [0.25, -0.25]."""
     for weight, grad in ((3.0, [[-0.367970, 0.367970]]), (0.0, [[0.25, -0.25]])):
         logits = torch.tensor([[math.log(3), 0.0]], requires_grad=True)
-        log_probs, entropy = sharding.compiled_log_probs(logits, torch.tensor([0]), 1.0, with_entropy=True)
+        log_probs, entropy = sharding.compiled_log_probs(
+            logits, torch.tensor([0]), 1.0, with_entropy=True
+        )
         close(log_probs, [-0.287682], atol=1e-6)
         close(entropy, [0.562335], atol=1e-6)
         (log_probs.sum() + weight * entropy.sum() if weight else log_probs.sum()).backward()
@@ -172,9 +196,9 @@ def test_compiled_entropy_by_hand():
 @pytest.mark.parametrize("with_entropy", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_log_probs_equal_autograd(dtype, with_entropy):
-    """The log-probs (and entropy) and the gradient of a loss that weighs them unevenly equal autograd
-    through the eager `token_log_probs`, for fp32 and bf16 logits (the gradient in the logits' dtype)
-    and two shapes."""
+    """The log-probs (and entropy) and the gradient of a loss that weighs them unevenly equal
+    autograd through the eager `token_log_probs`, for fp32 and bf16 logits (the gradient in the
+    logits' dtype) and two shapes."""
     g = torch.Generator().manual_seed(0)
     for K, V in ((7, 11), (13, 5)):
         logits = (3 * torch.randn(K, V, generator=g)).to(dtype)
@@ -185,7 +209,9 @@ def test_compiled_log_probs_equal_autograd(dtype, with_entropy):
             x = logits.clone().requires_grad_()
             log_probs, entropy = fn(x, targets, 0.7, with_entropy)
             assert log_probs.dtype == torch.float32 and (entropy is None) != with_entropy
-            loss = (log_probs * coef).sum() + ((entropy * coef_entropy).sum() if with_entropy else 0)
+            loss = (log_probs * coef).sum() + (
+                (entropy * coef_entropy).sum() if with_entropy else 0
+            )
             loss.backward()
             runs.append([log_probs.detach(), x.grad] + ([entropy.detach()] if with_entropy else []))
         (expected, expected_grad, *expected_entropy), (actual, actual_grad, *actual_entropy) = runs
@@ -194,15 +220,20 @@ def test_compiled_log_probs_equal_autograd(dtype, with_entropy):
             close(a, e, atol=1e-5)
         assert actual_grad.dtype == dtype
         # eager's entropy, lse - sum_v p_v z_v, cancels digits the compiled -sum_v p_v log p_v keeps
-        close(actual_grad, expected_grad, atol=(1e-5 if with_entropy else 1e-6) if dtype == torch.float32 else 1e-2)
+        close(
+            actual_grad,
+            expected_grad,
+            atol=(1e-5 if with_entropy else 1e-6) if dtype == torch.float32 else 1e-2,
+        )
 
 
 def test_compiled_log_probs_compile_one_forward_for_every_pass(monkeypatch):
-    """The update reuses the forward graph the passes without gradients compiled (logits that require
-    a gradient must not compile it again). A step's passes, twice: old log-probs with the entropy,
-    reference log-probs, then a training pass, forward and backward, compile three graphs in all: the
-    forward with the entropy, the forward without, the backward."""
+    """The update reuses the forward graph the passes without gradients compiled (logits that
+    require a gradient must not compile it again). A step's passes, twice: old log-probs with the
+    entropy, reference log-probs, then a training pass, forward and backward, compile three graphs
+    in all: the forward with the entropy, the forward without, the backward."""
     from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     monkeypatch.setattr(sharding, "_COMPILED_LOG_PROBS", {})
     counters.clear()
@@ -212,25 +243,32 @@ def test_compiled_log_probs_compile_one_forward_for_every_pass(monkeypatch):
             sharding.compiled_log_probs(logits, targets, 0.7, with_entropy=True)
             sharding.compiled_log_probs(logits, targets, 0.7)
         assert counters["stats"]["unique_graphs"] == (2 if K == 6 else 3)  # the two forwards
-        sharding.compiled_log_probs(logits.clone().requires_grad_(), targets, 0.7)[0].sum().backward()
+        sharding.compiled_log_probs(logits.clone().requires_grad_(), targets, 0.7)[
+            0
+        ].sum().backward()
         assert counters["stats"]["unique_graphs"] == 3  # and the backward
 
 
 def test_gpu_check_of_compiled_log_probs_runs_on_cpu():
-    """`make test-gpu`'s check of CompiledLogProbs at the real vocabulary, run here at a small shape: the
-    check itself works, and finds the two ways equal within its bounds."""
+    """`make test-gpu`'s check of CompiledLogProbs at the real vocabulary, run here at a small
+    shape: the check itself works, and finds the two ways equal within its bounds."""
     from tests.gpu.gpu_checks import compiled_log_probs_check
+
     res = compiled_log_probs_check("cpu", tokens=64, vocab=1000)
-    assert res["compiled_log_probs_max_diff"] < 1e-3 and res["compiled_log_probs_grad_rel_diff"] < 1e-2
+    assert (
+        res["compiled_log_probs_max_diff"] < 1e-3 and res["compiled_log_probs_grad_rel_diff"] < 1e-2
+    )
     assert res["compiled_entropy_max_diff"] < 1e-3
 
 
 def test_chunked_log_probs_by_hand():
     """One token, V = 2, H = 1: W = [[1], [0]], h = ln 3, T = 1, so z = [ln 3, 0], p = [3/4, 1/4].
     log p_0 = ln(3/4) = -0.287682; H = -(3/4 ln 3/4 + 1/4 ln 1/4) = 0.562335.
-    d log p_0 / dz = onehot - p = [1/4, -1/4]: d/dh = z-gradient . W[:, 0] = 1/4; d/dW = [[ln3 / 4], [-ln3 / 4]].
-    dH / dz = -p (log p + H) = [-0.75 (-0.287682 + 0.562335), -0.25 (-1.386294 + 0.562335)]
-            = [-0.205990, 0.205990]: d/dh = -0.205990; d/dW = [[-0.205990 ln 3], [0.205990 ln 3]]."""
+    d log p_0 / dz = onehot - p = [1/4, -1/4]: d/dh = z-gradient . W[:, 0] = 1/4; d/dW = [[ln3 / 4],
+    [-ln3 / 4]]. dH / dz = -p (log p + H) = [-0.75 (-0.287682 + 0.562335), -0.25 (-1.386294
+    + 0.562335)]
+            = [-0.205990, 0.205990]: d/dh = -0.205990; d/dW = [[-0.205990 ln 3], [0.205990 ln
+            3]]."""
     h = torch.tensor([[math.log(3)]], dtype=torch.float64, requires_grad=True)
     w = torch.tensor([[1.0], [0.0]], dtype=torch.float64, requires_grad=True)
     log_probs, entropy = sharding.ChunkedLogProbs.apply(h, w, torch.tensor([0]), 1.0, 1)
@@ -248,8 +286,9 @@ def test_chunked_log_probs_by_hand():
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 100])
 def test_chunked_log_probs_equal_autograd_through_whole_logits(chunk):
-    """Any chunking: the log-probs, entropy and both gradients of a loss that weighs them (the update's
-    log-probs with a KL-like nonlinearity, an entropy bonus) equal autograd through the whole logits."""
+    """Any chunking: the log-probs, entropy and both gradients of a loss that weighs them (the
+    update's log-probs with a KL-like nonlinearity, an entropy bonus) equal autograd through the
+    whole logits."""
     g = torch.Generator().manual_seed(0)
     K, H, V, temperature = 7, 5, 11, 0.7
     hidden = torch.randn(K, H, generator=g, dtype=torch.float64)
@@ -263,8 +302,13 @@ def test_chunked_log_probs_equal_autograd_through_whole_logits(chunk):
         ((coef * log_probs.exp()).sum() + 0.3 * (coef * entropy).sum()).backward()
         return log_probs, entropy, h.grad, w.grad
 
-    expected = run(lambda h, w: (torch.log_softmax(h @ w.T / temperature, -1).gather(-1, targets[:, None])[:, 0],
-                                 entropy_from_logits(h @ w.T / temperature)))  # in float64 throughout
+    # in float64 throughout
+    expected = run(
+        lambda h, w: (
+            torch.log_softmax(h @ w.T / temperature, -1).gather(-1, targets[:, None])[:, 0],
+            entropy_from_logits(h @ w.T / temperature),
+        )
+    )
     actual = run(lambda h, w: sharding.ChunkedLogProbs.apply(h, w, targets, temperature, chunk))
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
@@ -283,9 +327,11 @@ def test_chunked_log_probs_keep_no_logits_for_the_backward():
         def pack(t):
             seen[t.data_ptr()] = t.numel() * t.element_size()
             return t
+
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             fn()
         return sum(seen.values())
+
     whole = saved_bytes(lambda: token_log_probs(hidden @ weight.T, targets, 1.0))
     chunked = saved_bytes(lambda: sharding.ChunkedLogProbs.apply(hidden, weight, targets, 1.0, 8))
     inputs = (K * H + V * H) * 4 + K * 8
@@ -295,19 +341,22 @@ def test_chunked_log_probs_keep_no_logits_for_the_backward():
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_fused_log_probs_equal_the_logits_path(model, packed):
-    """forward_log_probs(fused=True), as the update runs it (--use_fused_kernels): the same log-probs,
-    entropy and parameter gradients as through the model's logits; without a gradient it is the
-    logits path; the output layer is the model's own again afterwards."""
+    """forward_log_probs(fused=True), as the update runs it (--use_fused_kernels): the same
+    log-probs, entropy and parameter gradients as through the model's logits; without a gradient it
+    is the logits path; the output layer is the model's own again afterwards."""
     samples = make_samples(LENGTHS)
 
     def grads(fused, with_entropy):
-        log_probs, entropy = forward_log_probs(model, samples, 0.7, packed, with_entropy, fused=fused)
+        log_probs, entropy = forward_log_probs(
+            model, samples, 0.7, packed, with_entropy, fused=fused
+        )
         assert (entropy is None) != with_entropy
         (log_probs.sum() + (entropy.sum() if with_entropy else 0)).backward()
         out = [log_probs.detach()] + ([entropy.detach()] if with_entropy else [])
         out += [p.grad.clone() for p in model.parameters()]
         model.zero_grad()
         return out
+
     for with_entropy in (True, False):
         for a, e in zip(grads(True, with_entropy), grads(False, with_entropy)):
             close(a, e, atol=1e-5)
@@ -358,8 +407,14 @@ def test_the_reference_reuses_the_actors_compiled_layers(tmp_path):
     """load_policy leaves the frozen reference's parameters as the actor's (requires_grad): its
     no-grad pass runs the graphs the actor's compiled, none of its own."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29741"}
-    proc = subprocess.run([sys.executable, "-c", REFERENCE_SHARES_GRAPHS, str(tmp_path / "model")], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", REFERENCE_SHARES_GRAPHS, str(tmp_path / "model")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
@@ -395,16 +450,31 @@ open(os.path.join(sys.argv[1], f"ok{rank}"), "w").close()  # a file each: two ra
 
 
 def test_fused_log_probs_under_fsdp2_on_two_ranks(tmp_path):
-    """--use_fused_kernels under FSDP2 with two gloo ranks, tied and untied output layers: the output
-    layer runs inside the root unit's forward, so its gathered weight is the one used and its gradient
-    is reduced as the logits path's is. The full gradients of every parameter agree."""
+    """--use_fused_kernels under FSDP2 with two gloo ranks, tied and untied output layers: the
+    output layer runs inside the root unit's forward, so its gathered weight is the one used and its
+    gradient is reduced as the logits path's is. The full gradients of every parameter agree."""
     port = str(free_port())
     script = tmp_path / "fused_fsdp2.py"
     script.write_text(FUSED_UNDER_FSDP2)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", port,
-                           str(script), str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists(), \
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_port",
+            port,
+            str(script),
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists(), (
         proc.stdout[-2000:] + proc.stderr[-3000:]
+    )
 
 
 def test_micro_batches_by_count_and_by_token_budget():
@@ -413,37 +483,51 @@ def test_micro_batches_by_count_and_by_token_budget():
     # 30 tokens, budget 15: two groups; longest first into the lighter group:
     # 10 -> A, 8 -> B, 7 -> B (15), 3 -> A (13), 2 -> A (15)
     assert sharding.micro_batches(seqs([10, 3, 7, 2, 8]), 2, max_tokens=15) == [[0, 1, 3], [2, 4]]
-    # 18 tokens would fit 2 x 10, but two 6-token sequences do not: the count grows until each group fits
+    # 18 tokens would fit 2 x 10, but two 6-token sequences do not: the count grows until each group
+    # fits
     assert sharding.micro_batches(seqs([6, 6, 6]), 2, max_tokens=10) == [[0], [1], [2]]
     assert sharding.micro_batches(seqs([4, 4, 4, 4]), 1, max_tokens=100) == [[0, 1, 2, 3]]
 
 
 def test_packed_attention_equals_a_block_diagonal_mask():
-    """sharding.packed_attention on 3 segments (grouped-query heads, 4 query / 2 kv) equals sdpa with
-    the block-diagonal causal mask written out by hand, in value and in gradient."""
+    """sharding.packed_attention on 3 segments (grouped-query heads, 4 query / 2 kv) equals sdpa
+    with the block-diagonal causal mask written out by hand, in value and in gradient."""
     torch.manual_seed(0)
     lens, L, D = [3, 5, 2], 10, 8
     q = torch.randn(1, 4, L, D, requires_grad=True)
     k, v = (torch.randn(1, 2, L, D, requires_grad=True) for _ in range(2))
     seg = torch.tensor([i for i, n in enumerate(lens) for _ in range(n)])
     allowed = (seg[:, None] == seg[None, :]) & torch.ones(L, L, dtype=torch.bool).tril()
+    # (1, L, 4, D)
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=allowed).transpose(1, 2)  # (1, L, 4, D)
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=allowed
+    ).transpose(1, 2)
     cu = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
-    out, _ = sharding.packed_attention(None, q, k, v, None, scaling=D ** -0.5, cu_seq_lens=cu, max_seq_len=max(lens))
+    out, _ = sharding.packed_attention(
+        None, q, k, v, None, scaling=D**-0.5, cu_seq_lens=cu, max_seq_len=max(lens)
+    )
     close(out, expected, atol=1e-6)
-    grads = torch.autograd.grad((out * torch.arange(L * 4 * D).reshape(out.shape).sin()).sum(), (q, k, v))
-    expected_grads = torch.autograd.grad((expected * torch.arange(L * 4 * D).reshape(out.shape).sin()).sum(),
-                                         (q, k, v))
+    grads = torch.autograd.grad(
+        (out * torch.arange(L * 4 * D).reshape(out.shape).sin()).sum(), (q, k, v)
+    )
+    expected_grads = torch.autograd.grad(
+        (expected * torch.arange(L * 4 * D).reshape(out.shape).sin()).sum(), (q, k, v)
+    )
     for g, e in zip(grads, expected_grads):
         close(g, e, atol=1e-5)
     # a packed row without segment bounds would attend across sequences: refused
     with pytest.raises(ValueError, match="cu_seq_lens"):
-        sharding.packed_attention(SimpleNamespace(is_causal=True), q, k, v, None,
-                                  position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1]]))
+        sharding.packed_attention(
+            SimpleNamespace(is_causal=True),
+            q,
+            k,
+            v,
+            None,
+            position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1]]),
+        )
 
 
-# --- the optimizer step ----------------------------------------------------------------------------
+# --- the optimizer step ---------------------------------------------------------------------------
 
 
 def test_a_non_finite_gradient_stops_before_the_update():
@@ -461,13 +545,14 @@ def test_clip_and_step_clips_and_steps():
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[1.0, 1.0]]))
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    model(torch.tensor([[3.0, 4.0]])).sum().backward()  # grad (3, 4): norm 5 -> clipped to (0.6, 0.8)
+    # grad (3, 4): norm 5 -> clipped to (0.6, 0.8)
+    model(torch.tensor([[3.0, 4.0]])).sum().backward()
     assert sharding.clip_and_step(model, optimizer, 1.0, 1, "--actor_lr") == pytest.approx(5.0)
     assert torch.allclose(model.weight, torch.tensor([[0.4, 0.2]]))  # 1 - 0.6, 1 - 0.8
     assert model.weight.grad is None  # zeroed for the next mini-batch
 
 
-# --- the value model on a tiny body ----------------------------------------------------------------
+# --- the value model on a tiny body ---------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -475,8 +560,9 @@ def critic():
     torch.manual_seed(0)
     config = tiny_config()
     config.num_labels, config.classifier_dropout = 1, 0.0
-    model = AutoModelForTokenClassification.from_config(config, dtype=torch.float32,
-                                                      attn_implementation=sharding.PACKED_ATTENTION)
+    model = AutoModelForTokenClassification.from_config(
+        config, dtype=torch.float32, attn_implementation=sharding.PACKED_ATTENTION
+    )
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -493,18 +579,20 @@ def test_packed_values_equal_padded_and_a_loop(critic):
     close(packed, padded)
     mask = sharding.response_targets(samples, 6, "cpu")[1]
     assert torch.equal(packed * (1 - mask), torch.zeros_like(packed))
-    # each sequence alone: the value of response token t is the head's output at position |p| - 1 + t
+    # each sequence alone: the value of response token t is the head's output at position |p| - 1
+    # + t
     for i, (p, r) in enumerate(samples):
-        expected = critic(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:-1, 0]
-        close(packed[i, :len(r)], expected)
+        expected = critic(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1, 0]
+        close(packed[i, : len(r)], expected)
     # batched_values pads every micro-batch to the batch's T
     close(sharding.batched_values(critic, samples, 3, True, 6), packed)
 
 
 def test_load_critic_turns_the_heads_dropout_off(tmp_path, monkeypatch):
-    """The value head's dropout (transformers' default 0.1) is off: the update runs in train mode, where
-    it would act, and the values it regresses were computed without it."""
+    """The value head's dropout (transformers' default 0.1) is off: the update runs in train mode,
+    where it would act, and the values it regresses were computed without it."""
     from bench.tiny import make_tiny_model
+
     path = make_tiny_model(str(tmp_path / "tiny"))
     monkeypatch.setattr(sharding, "apply_fsdp2", lambda model, **_: model)  # no process group here
     critic = sharding.load_critic(path, torch.device("cpu"), train_ppo.Args(model=path))

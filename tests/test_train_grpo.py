@@ -1,7 +1,7 @@
-"""train_grpo.py end to end on CPU: two real steps under `torchrun --nproc_per_node=2` (gloo) with each
-rollout engine, resume equivalence, a finished run, and start-up failures (dynamic sampling:
-tests/test_train_grpo_filter.py; the rows written and the validation metrics by hand: tests/test_batches.py,
-tests/test_reward.py).
+"""train_grpo.py end to end on CPU: two real steps under `torchrun --nproc_per_node=2` (gloo) with
+each rollout engine, resume equivalence, a finished run, and start-up failures (dynamic sampling:
+tests/test_train_grpo_filter.py; the rows written and the validation metrics by hand:
+tests/test_batches.py, tests/test_reward.py).
 
 Data: a 24-prompt GSM8K-shaped fixture made by data/gsm8k.py; model: the tiny random Qwen2 of
 bench/tiny.py; reward: the share of ASCII letters and digits in the response, which a random
@@ -23,26 +23,58 @@ import torch
 from safetensors.torch import load_file
 
 import sharding
-from tests.tiny_model import free_port
 from bench.tiny import make_tiny_model
+from tests.tiny_model import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LR = 1e-4
 # every metric the trainer logs on each step; STEP2_ONLY appear with validation (--test_freq 2)
 METRICS = [
-    "critic/score/mean", "critic/score/max", "critic/score/min", "critic/advantages/mean",
-    "response_length/mean", "response_length/max", "response_length/clip_ratio", "prompt_length/mean",
-    "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/kl_loss",
-    "actor/entropy", "actor/grad_norm", "actor/lr",
-    "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv", "timing_s/update_actor",
-    "timing_s/update_weights", "timing_s/step", "timing_s/since_launch",
-    "perf/throughput", "perf/mfu/actor", "perf/max_memory_allocated_gb", "rollout/logprob_gap_mean",
-    "perf/mfu/old_log_prob", "perf/tflops/actor", "perf/weight_sync_gb_s", "perf/peak_tflops",
-    "rollout/gen_rounds", "rollout/gen_prompts", "rollout/all_equal_groups", "rollout/solve_none", "rollout/solve_all",
+    "critic/score/mean",
+    "critic/score/max",
+    "critic/score/min",
+    "critic/advantages/mean",
+    "response_length/mean",
+    "response_length/max",
+    "response_length/clip_ratio",
+    "prompt_length/mean",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower",
+    "actor/ppo_kl",
+    "actor/kl_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "timing_s/gen",
+    "timing_s/old_log_prob",
+    "timing_s/ref",
+    "timing_s/adv",
+    "timing_s/update_actor",
+    "timing_s/update_weights",
+    "timing_s/step",
+    "timing_s/since_launch",
+    "perf/throughput",
+    "perf/mfu/actor",
+    "perf/max_memory_allocated_gb",
+    "rollout/logprob_gap_mean",
+    "perf/mfu/old_log_prob",
+    "perf/tflops/actor",
+    "perf/weight_sync_gb_s",
+    "perf/peak_tflops",
+    "rollout/gen_rounds",
+    "rollout/gen_prompts",
+    "rollout/all_equal_groups",
+    "rollout/solve_none",
+    "rollout/solve_all",
     "rollout/skipped_prompts",
 ]
-STEP2_ONLY = ["timing_s/testing", "val-core/openai/gsm8k/reward/mean@1", "val-core/openai/gsm8k/reward_flexible/mean@1",
-              "val-core/openai/gsm8k/acc/mean@1"]
+STEP2_ONLY = [
+    "timing_s/testing",
+    "val-core/openai/gsm8k/reward/mean@1",
+    "val-core/openai/gsm8k/reward_flexible/mean@1",
+    "val-core/openai/gsm8k/acc/mean@1",
+]
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     """Share of ASCII letters and digits in the response; "acc": whether that is over half."""
@@ -56,20 +88,41 @@ def raw_rows(k, seed):
     rows = []
     for i in range(k):
         a, b = (seed * 7 + i * 3) % 10, (seed + i * 5) % 9 + 1
-        rows.append({"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"})
+        rows.append(
+            {"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+        )
     return rows
 
 
 def make_assets(tmp):
-    """Parquet files (24 train / 8 test prompts), the tiny model and the reward file, in folder `tmp`."""
+    """Parquet files (24 train / 8 test prompts), the tiny model and the reward file, in folder
+    `tmp`."""
     raw = tmp / "raw"
     raw.mkdir()
     for split, k, seed in (("train", 24, 0), ("test", 8, 1)):
-        (raw / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in raw_rows(k, seed)))
-    subprocess.run([sys.executable, "data/gsm8k.py", "--local_dataset_path", str(raw), "--local_save_dir",
-                    str(tmp / "data")], cwd=ROOT, check=True, capture_output=True)
+        (raw / f"{split}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in raw_rows(k, seed))
+        )
+    subprocess.run(
+        [
+            sys.executable,
+            "data/gsm8k.py",
+            "--local_dataset_path",
+            str(raw),
+            "--local_save_dir",
+            str(tmp / "data"),
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     (tmp / "reward_fn.py").write_text(REWARD)
-    return dict(tmp=tmp, model=make_tiny_model(str(tmp / "model")), data=tmp / "data", reward=tmp / "reward_fn.py")
+    return dict(
+        tmp=tmp,
+        model=make_tiny_model(str(tmp / "model")),
+        data=tmp / "data",
+        reward=tmp / "reward_fn.py",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -78,16 +131,54 @@ def assets(tmp_path_factory):
 
 
 def flags(assets, out_dir, engine, steps, resume="disable", *extra):
-    return ["--model", assets["model"], "--train_files", str(assets["data"] / "train.parquet"),
-            "--val_files", str(assets["data"] / "test.parquet"), "--custom_reward_function_path", str(assets["reward"]),
-            "--rollout_engine", engine, "--max_prompt_length", "256", "--max_response_length", "16",
-            "--train_batch_size", "4", "--rollout_n", "2", "--ppo_mini_batch_size", "2",
-            "--ppo_micro_batch_size_per_gpu", "1", "--log_prob_micro_batch_size_per_gpu", "2",
-            "--total_training_steps", str(steps), "--test_freq", "2", "--max_val_samples", "8",
-            "--actor_lr", str(LR), "--lr_warmup_steps", "2", "--save_freq", "1", "--logger", "console,jsonl",
-            # 1 of each rank's 2 prompts gets the engine's log-probs: the sync check on a subset
-            "--logprob_check_prompts", "1",
-            "--default_local_dir", str(out_dir), "--resume_mode", resume, *extra]
+    return [
+        "--model",
+        assets["model"],
+        "--train_files",
+        str(assets["data"] / "train.parquet"),
+        "--val_files",
+        str(assets["data"] / "test.parquet"),
+        "--custom_reward_function_path",
+        str(assets["reward"]),
+        "--rollout_engine",
+        engine,
+        "--max_prompt_length",
+        "256",
+        "--max_response_length",
+        "16",
+        "--train_batch_size",
+        "4",
+        "--rollout_n",
+        "2",
+        "--ppo_mini_batch_size",
+        "2",
+        "--ppo_micro_batch_size_per_gpu",
+        "1",
+        "--log_prob_micro_batch_size_per_gpu",
+        "2",
+        "--total_training_steps",
+        str(steps),
+        "--test_freq",
+        "2",
+        "--max_val_samples",
+        "8",
+        "--actor_lr",
+        str(LR),
+        "--lr_warmup_steps",
+        "2",
+        "--save_freq",
+        "1",
+        "--logger",
+        "console,jsonl",
+        # 1 of each rank's 2 prompts gets the engine's log-probs: the sync check on a subset
+        "--logprob_check_prompts",
+        "1",
+        "--default_local_dir",
+        str(out_dir),
+        "--resume_mode",
+        resume,
+        *extra,
+    ]
 
 
 def launch(args, nproc=2, timeout=300):
@@ -95,16 +186,25 @@ def launch(args, nproc=2, timeout=300):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "MASTER_PORT": str(free_port())}
     cmd = [sys.executable, "train_grpo.py", *args]
     if nproc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--master_port", env["MASTER_PORT"], "train_grpo.py", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--master_port",
+            env["MASTER_PORT"],
+            "train_grpo.py",
+            *args,
+        ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     proc.output = proc.stdout + proc.stderr
     return proc
 
 
-# Most of a launch that stops at start-up is importing torch and transformers (~10 s of CPU). FORKED imports them
-# once, then runs train_grpo.py as __main__ in a forked child per argument list: each a process of its own (a world
-# of one), with its own output and exit status, as from the command line.
+# Most of a launch that stops at start-up is importing torch and transformers (~10 s of CPU). FORKED
+# imports them once, then runs train_grpo.py as __main__ in a forked child per argument list: each a
+# process of its own (a world of one), with its own output and exit status, as from the command
+# line.
 FORKED = """
 import json, os, runpy, sys, traceback
 import train_grpo  # noqa: F401 - the imports, before forking
@@ -139,16 +239,27 @@ print(json.dumps(codes))
 
 
 def launch_forked(arg_lists, timeout=300):
-    """train_grpo.py once per argument list, each as a plain single process (launch(args, nproc=0)), forked
-    from one that has done the imports (FORKED); the results in the order of `arg_lists`."""
+    """train_grpo.py once per argument list, each as a plain single process (launch(args, nproc=0)),
+    forked from one that has done the imports (FORKED); the results in the order of `arg_lists`."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run([sys.executable, "-c", FORKED, f"{tmp}/out"], input=json.dumps(arg_lists), cwd=ROOT,
-                              env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-c", FORKED, f"{tmp}/out"],
+            input=json.dumps(arg_lists),
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
         codes = json.loads(proc.stdout.splitlines()[-1])
-        return [SimpleNamespace(returncode=code, output=Path(f"{tmp}/out.{i}").read_text(errors="replace"))
-                for i, code in enumerate(codes)]
+        return [
+            SimpleNamespace(
+                returncode=code, output=Path(f"{tmp}/out.{i}").read_text(errors="replace")
+            )
+            for i, code in enumerate(codes)
+        ]
 
 
 def metrics_by_step(out_dir):
@@ -157,9 +268,13 @@ def metrics_by_step(out_dir):
 
 
 def val_only_metrics(assets, checkpoint, out_dir):
-    """--val_only on a checkpoint (a global_step_N folder) with the transformers engine, as one process: its
-    metrics at that step. fp32 on CPU, its greedy tokens are vLLM's (tests/dist/engine_checks.py checks it)."""
-    proc = launch(flags(assets, out_dir, "hf", 3, str(checkpoint), "--val_only", "--export_final", "false"), nproc=0)
+    """--val_only on a checkpoint (a global_step_N folder) with the transformers engine, as one
+    process: its metrics at that step. fp32 on CPU, its greedy tokens are vLLM's
+    (tests/dist/engine_checks.py checks it)."""
+    proc = launch(
+        flags(assets, out_dir, "hf", 3, str(checkpoint), "--val_only", "--export_final", "false"),
+        nproc=0,
+    )
     assert proc.returncode == 0, proc.output[-6000:]
     return metrics_by_step(out_dir)[int(Path(checkpoint).name.rsplit("_", 1)[1])]
 
@@ -172,18 +287,43 @@ def two_step_run(assets, engine, *extra):
 
 
 @pytest.fixture(scope="module")
-def hf_run(assets):  # micro-batches by token budget (same count on both ranks), compiled; the vLLM run
-    return two_step_run(assets, "hf", "--use_dynamic_bsz", "--ppo_max_token_len_per_gpu", "300",  # by count, eager
-                        "--log_prob_max_token_len_per_gpu", "300", "--use_torch_compile", "true",
-                        "--compile_layers", "true", "--compile_update", "true")
+# micro-batches by token budget (same count on both ranks), compiled; the vLLM run
+def hf_run(
+    assets,
+):
+    return two_step_run(
+        assets,
+        "hf",
+        "--use_dynamic_bsz",
+        "--ppo_max_token_len_per_gpu",
+        "300",  # by count, eager
+        "--log_prob_max_token_len_per_gpu",
+        "300",
+        "--use_torch_compile",
+        "true",
+        "--compile_layers",
+        "true",
+        "--compile_update",
+        "true",
+    )
 
 
 @pytest.fixture(scope="module")
-def vllm_run(assets):  # activations recomputed in the update (Hugging Face's checkpointing under FSDP2); every
+# activations recomputed in the update (Hugging Face's checkpointing under FSDP2); every
+def vllm_run(
+    assets,
+):
     # response written out as text
     dumps = assets["tmp"] / "dumps"
-    return two_step_run(assets, "vllm", "--enable_gradient_checkpointing", "--rollout_data_dir",
-                        str(dumps / "rollouts"), "--validation_data_dir", str(dumps / "val"))
+    return two_step_run(
+        assets,
+        "vllm",
+        "--enable_gradient_checkpointing",
+        "--rollout_data_dir",
+        str(dumps / "rollouts"),
+        "--validation_data_dir",
+        str(dumps / "val"),
+    )
 
 
 @pytest.mark.parametrize("run", ["hf_run", "vllm_run"])
@@ -201,12 +341,19 @@ def test_two_steps_log_every_metric_and_change_the_policy(run, assets, request):
         assert m[step]["rollout/logprob_gap_mean"] < 1e-3
         assert m[step]["actor/grad_norm"] > 0
         assert 0 < m[step]["response_length/mean"] <= m[step]["response_length/max"] <= 16
-        assert m[step]["critic/score/min"] <= m[step]["critic/score/mean"] <= m[step]["critic/score/max"]
-        assert 0 < m[step]["actor/entropy"] < math.log(vocab)  # a token mean (the old pass's), below uniform's
-        assert m[step]["rollout/gen_rounds"] == 1 and m[step]["rollout/gen_prompts"] == 4  # no filter: one batch
+        assert (
+            m[step]["critic/score/min"]
+            <= m[step]["critic/score/mean"]
+            <= m[step]["critic/score/max"]
+        )
+        # a token mean (the old pass's), below uniform's
+        assert 0 < m[step]["actor/entropy"] < math.log(vocab)
+        # no filter: one batch
+        assert m[step]["rollout/gen_rounds"] == 1 and m[step]["rollout/gen_prompts"] == 4
         assert 0 <= m[step]["rollout/all_equal_groups"] <= 1
         assert 0 <= m[step]["rollout/solve_none"] <= 1 and 0 <= m[step]["rollout/solve_all"] <= 1
-    assert any(m[s]["critic/score/max"] > m[s]["critic/score/min"] for s in (1, 2))  # some group had signal
+    # some group had signal
+    assert any(m[s]["critic/score/max"] > m[s]["critic/score/min"] for s in (1, 2))
     # --lr_warmup_steps 2: step 1 trains at (0 + 1) / 2 * LR, step 2 at LR
     assert m[1]["actor/lr"] == pytest.approx(LR / 2) and m[2]["actor/lr"] == pytest.approx(LR)
     assert "val-core/openai/gsm8k/reward/mean@1" in m[0]
@@ -215,7 +362,8 @@ def test_two_steps_log_every_metric_and_change_the_policy(run, assets, request):
     final = load_file(out / "hf_model" / "model.safetensors")
     assert initial.keys() == final.keys()
     for name, w in initial.items():
-        if w.dim() == 2:  # the export is bf16: compare at that precision; ~half the entries move past rounding
+        # the export is bf16: compare at that precision; ~half the entries move past rounding
+        if w.dim() == 2:
             changed = (w.to(final[name].dtype) != final[name]).float().mean().item()
             assert changed > 0.1, f"{name}: only {changed:.1%} of entries changed"
 
@@ -226,19 +374,31 @@ def read_jsonl(path):
 
 
 def test_rollout_and_validation_data_dirs_hold_every_response(assets, vllm_run):
-    """--rollout_data_dir and --validation_data_dir (verl's names): every response of each step and of each
-    validation as text, with the scores the metrics averaged, validation in the data's order."""
+    """--rollout_data_dir and --validation_data_dir (verl's names): every response of each step and
+    of each validation as text, with the scores the metrics averaged, validation in the data's
+    order."""
     m, dumps = metrics_by_step(vllm_run), assets["tmp"] / "dumps"
-    assert sorted(os.listdir(dumps / "rollouts")) == ["1.jsonl", "2.jsonl"]  # nothing half-written left
+    # nothing half-written left
+    assert sorted(os.listdir(dumps / "rollouts")) == [
+        "1.jsonl",
+        "2.jsonl",
+    ]
     for step in (1, 2):
         rows = read_jsonl(dumps / "rollouts" / f"{step}.jsonl")
         assert len(rows) == 4 * 2 and {r["step"] for r in rows} == {step}
         assert set(rows[0]) == {"input", "output", "gts", "score", "step", "score_flexible", "acc"}
-        assert sum(r["score"] for r in rows) / len(rows) == pytest.approx(m[step]["critic/score/mean"])
-        assert all(rows[i]["input"] == rows[i + 1]["input"] for i in range(0, 8, 2))  # a group: one prompt
+        assert sum(r["score"] for r in rows) / len(rows) == pytest.approx(
+            m[step]["critic/score/mean"]
+        )
+        # a group: one prompt
+        assert all(rows[i]["input"] == rows[i + 1]["input"] for i in range(0, 8, 2))
         assert all("What is" in r["input"] and r["gts"] == r["gts"].strip() for r in rows)
     data = pq.read_table(assets["data"] / "test.parquet").to_pylist()
-    assert sorted(os.listdir(dumps / "val")) == ["0.jsonl", "2.jsonl"]  # before training, and at step 2
+    # before training, and at step 2
+    assert sorted(os.listdir(dumps / "val")) == [
+        "0.jsonl",
+        "2.jsonl",
+    ]
     for step in (0, 2):
         rows = read_jsonl(dumps / "val" / f"{step}.jsonl")
         # both ranks validated half: the file holds the 8 prompts in the data's order
@@ -246,8 +406,11 @@ def test_rollout_and_validation_data_dirs_hold_every_response(assets, vllm_run):
         assert all(d["prompt"][0]["content"] in r["input"] for r, d in zip(rows, data))
         prefix = "val-core/openai/gsm8k/"
         assert sum(r["score"] for r in rows) / 8 == pytest.approx(m[step][prefix + "reward/mean@1"])
-        assert sum(r["score_flexible"] for r in rows) / 8 == pytest.approx(m[step][prefix + "reward_flexible/mean@1"])
-        assert sum(r["acc"] for r in rows) / 8 == pytest.approx(m[step][prefix + "acc/mean@1"])  # the reward's extra
+        assert sum(r["score_flexible"] for r in rows) / 8 == pytest.approx(
+            m[step][prefix + "reward_flexible/mean@1"]
+        )
+        # the reward's extra
+        assert sum(r["acc"] for r in rows) / 8 == pytest.approx(m[step][prefix + "acc/mean@1"])
 
 
 def test_resume_replays_the_uninterrupted_run(assets, vllm_run):
@@ -262,10 +425,16 @@ def test_resume_replays_the_uninterrupted_run(assets, vllm_run):
     for step in (1, 2):
         keys = {k for k in whole[step] if not k.startswith(("timing_s/", "perf/"))}
         # the first launch's last step (1) also validated, so its row has the val-* metrics on top
-        assert keys <= resumed[step].keys() if step == 1 else keys == {
-            k for k in resumed[step] if not k.startswith(("timing_s/", "perf/"))}
-        differ = {k: (whole[step][k], resumed[step][k]) for k in keys
-                  if resumed[step][k] != pytest.approx(whole[step][k], rel=1e-6, abs=1e-12)}
+        assert (
+            keys <= resumed[step].keys()
+            if step == 1
+            else keys == {k for k in resumed[step] if not k.startswith(("timing_s/", "perf/"))}
+        )
+        differ = {
+            k: (whole[step][k], resumed[step][k])
+            for k in keys
+            if resumed[step][k] != pytest.approx(whole[step][k], rel=1e-6, abs=1e-12)
+        }
         assert not differ, f"step {step} differs after resuming: {differ}"
     a = load_file(vllm_run / "hf_model" / "model.safetensors")
     b = load_file(out / "hf_model" / "model.safetensors")
@@ -274,36 +443,54 @@ def test_resume_replays_the_uninterrupted_run(assets, vllm_run):
 
 
 def test_fused_kernels_train_the_same_step(assets, vllm_run):
-    """--use_fused_kernels changes how the update computes its log-probs (chunks of the output layer,
-    no whole logits), not what it computes: the first step, on the same rollouts, logs the losses,
-    KL, entropy and gradient norm of the run without it."""
+    """--use_fused_kernels changes how the update computes its log-probs (chunks of the output
+    layer, no whole logits), not what it computes: the first step, on the same rollouts, logs the
+    losses, KL, entropy and gradient norm of the run without it."""
     out = assets["tmp"] / "run_vllm_fused"
     proc = launch(flags(assets, out, "vllm", 1, "disable", "--use_fused_kernels", "true"))
     assert proc.returncode == 0, proc.output[-6000:]
     fused, whole = metrics_by_step(out)[1], metrics_by_step(vllm_run)[1]
     keys = [k for k in whole if k.startswith(("actor/", "critic/"))]
     assert {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"} <= set(keys)
-    differ = {k: (whole[k], fused[k]) for k in keys if fused[k] != pytest.approx(whole[k], rel=1e-5, abs=1e-9)}
+    differ = {
+        k: (whole[k], fused[k])
+        for k in keys
+        if fused[k] != pytest.approx(whole[k], rel=1e-5, abs=1e-9)
+    }
     assert not differ, differ
 
 
 def stop_by_sigterm_then_resume(script, out, make_flags):
-    """Run `script` on two ranks for 20 steps (`make_flags(steps, resume)`: checkpoints every 10 steps,
-    validation every step) and send SIGTERM to the whole job once step 1 is logged, as `timeout` or a
-    batch scheduler does. Check that the step in progress was checkpointed and the run stopped without
-    validating it or exporting; then resume for one more step. Returns the step it stopped after."""
+    """Run `script` on two ranks for 20 steps (`make_flags(steps, resume)`: checkpoints every 10
+    steps, validation every step) and send SIGTERM to the whole job once step 1 is logged, as
+    `timeout` or a batch scheduler does. Check that the step in progress was checkpointed and the
+    run stopped without validating it or exporting; then resume for one more step. Returns the step
+    it stopped after."""
     import signal
     import time
 
     env = {**os.environ, "MASTER_PORT": str(free_port())}
     log = out.parent / f"{out.name}.log"
     with open(log, "w") as f:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", env["MASTER_PORT"],
-               script, *make_flags(20, "disable")]
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_port",
+            env["MASTER_PORT"],
+            script,
+            *make_flags(20, "disable"),
+        ]
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             deadline = time.time() + 240
-            while not ((out / "metrics.jsonl").exists() and '"step": 1,' in (out / "metrics.jsonl").read_text()):
+            while not (
+                (out / "metrics.jsonl").exists()
+                and '"step": 1,' in (out / "metrics.jsonl").read_text()
+            ):
                 assert proc.poll() is None and time.time() < deadline, log.read_text()[-6000:]
                 time.sleep(0.2)
             os.killpg(proc.pid, signal.SIGTERM)  # torchrun and both workers, as `timeout` does
@@ -318,11 +505,23 @@ def stop_by_sigterm_then_resume(script, out, make_flags):
     assert 1 <= k < 20 and "--resume_mode auto" in stopped[0]
     assert os.path.basename(sharding.latest_checkpoint(str(out))) == f"global_step_{k}"
     logged = metrics_by_step(out)
-    assert max(logged) == k and "timing_s/testing" in logged[k - 1] and "timing_s/testing" not in logged[k]
+    assert (
+        max(logged) == k
+        and "timing_s/testing" in logged[k - 1]
+        and "timing_s/testing" not in logged[k]
+    )
     assert not (out / "hf_model").exists()
     env["MASTER_PORT"] = str(free_port())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", env["MASTER_PORT"],
-           script, *make_flags(k + 1, "auto")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_port",
+        env["MASTER_PORT"],
+        script,
+        *make_flags(k + 1, "auto"),
+    ]
     resumed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-6000:]
     assert f"resumed from {out / f'global_step_{k}'}" in resumed.stdout
@@ -331,10 +530,16 @@ def stop_by_sigterm_then_resume(script, out, make_flags):
 
 
 def test_sigterm_checkpoints_the_step_in_progress_and_resume_continues(assets):
-    """SIGTERM during a run that checkpoints every 10 steps loses no step (stop_by_sigterm_then_resume)."""
+    """SIGTERM during a run that checkpoints every 10 steps loses no step
+    (stop_by_sigterm_then_resume)."""
     out = assets["tmp"] / "run_sigterm"
-    stop_by_sigterm_then_resume("train_grpo.py", out, lambda steps, resume: flags(
-        assets, out, "hf", steps, resume, "--save_freq", "10", "--test_freq", "1"))
+    stop_by_sigterm_then_resume(
+        "train_grpo.py",
+        out,
+        lambda steps, resume: flags(
+            assets, out, "hf", steps, resume, "--save_freq", "10", "--test_freq", "1"
+        ),
+    )
 
 
 SIGTERM_IN_VALIDATION = '''
@@ -352,10 +557,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 
 
 def stop_in_validation(run, out, make_flags):
-    """A SIGTERM that arrives while a step validates (9-17 s on an H200) stops the run after that step,
-    checkpointed, instead of running the next step first (which can outlast the grace period). `run`
-    launches two ranks with `make_flags(reward_file)` (20 steps, validation every 2 from step 2,
-    checkpoints every 10); the reward function signals one rank, and both stop."""
+    """A SIGTERM that arrives while a step validates (9-17 s on an H200) stops the run after that
+    step, checkpointed, instead of running the next step first (which can outlast the grace period).
+    `run` launches two ranks with `make_flags(reward_file)` (20 steps, validation every 2 from step
+    2, checkpoints every 10); the reward function signals one rank, and both stop."""
     reward_fn = out.parent / f"{out.name}_reward.py"
     reward_fn.write_text(SIGTERM_IN_VALIDATION)
     proc = run(make_flags(reward_fn))
@@ -363,14 +568,34 @@ def stop_in_validation(run, out, make_flags):
     assert "stopped by SIGTERM after step 2 of 20" in proc.output, proc.output[-6000:]
     assert os.path.basename(sharding.latest_checkpoint(str(out))) == "global_step_2"
     logged = metrics_by_step(out)
-    assert max(logged) == 2 and "timing_s/testing" in logged[2] and "timing_s/save_checkpoint" in logged[2]
+    assert (
+        max(logged) == 2
+        and "timing_s/testing" in logged[2]
+        and "timing_s/save_checkpoint" in logged[2]
+    )
 
 
 def test_sigterm_during_validation_stops_after_that_step(assets):
     out = assets["tmp"] / "run_sigterm_val"
-    stop_in_validation(launch, out, lambda reward_fn: flags(
-        assets, out, "hf", 20, "disable", "--save_freq", "10", "--test_freq", "2", "--val_before_train", "false",
-        "--custom_reward_function_path", str(reward_fn)))
+    stop_in_validation(
+        launch,
+        out,
+        lambda reward_fn: flags(
+            assets,
+            out,
+            "hf",
+            20,
+            "disable",
+            "--save_freq",
+            "10",
+            "--test_freq",
+            "2",
+            "--val_before_train",
+            "false",
+            "--custom_reward_function_path",
+            str(reward_fn),
+        ),
+    )
 
 
 def test_resuming_a_finished_run_does_nothing(assets, hf_run):
@@ -385,9 +610,10 @@ def test_resuming_a_finished_run_does_nothing(assets, hf_run):
 
 
 def test_val_only_scores_the_base_model_and_a_checkpoint(assets, hf_run):
-    """--val_only: greedy mean@1 and, with --val_n 4, sampled mean@4 and pass@1/2/4, strict (here the
-    custom reward) and flexible. Its greedy scores equal the ones the training run logged: the base
-    model's before training, and, pointed at the run's last checkpoint, those weights' at that step."""
+    """--val_only: greedy mean@1 and, with --val_n 4, sampled mean@4 and pass@1/2/4, strict (here
+    the custom reward) and flexible. Its greedy scores equal the ones the training run logged: the
+    base model's before training, and, pointed at the run's last checkpoint, those weights' at that
+    step."""
     sampled = ["--val_only", "--val_n", "4", "--val_temperature", "1.0"]
     base_dir, ckpt_dir = assets["tmp"] / "val_only_base", assets["tmp"] / "val_only_ckpt"
     base = launch(flags(assets, base_dir, "hf", 2, "disable", *sampled))
@@ -395,12 +621,18 @@ def test_val_only_scores_the_base_model_and_a_checkpoint(assets, hf_run):
     ckpt = launch(flags(assets, ckpt_dir, "hf", 2, str(hf_run / "global_step_2"), *sampled))
     assert ckpt.returncode == 0, ckpt.output[-6000:]
     assert "resumed from" in ckpt.output and "step:1" not in ckpt.output  # scored, did not train
-    (base_row,), (ckpt_row,) = metrics_by_step(base_dir).values(), metrics_by_step(ckpt_dir).values()
+    (base_row,), (ckpt_row,) = (
+        metrics_by_step(base_dir).values(),
+        metrics_by_step(ckpt_dir).values(),
+    )
     assert base_row["step"] == 0 and ckpt_row["step"] == 2
     prefix = "val-core/openai/gsm8k/"
     for row in (base_row, ckpt_row):
         for name in ("reward", "reward_flexible", "acc"):
-            k = {s: row[f"{prefix}{name}/{s}"] for s in ("mean@1", "mean@4", "pass@1", "pass@2", "pass@4")}
+            k = {
+                s: row[f"{prefix}{name}/{s}"]
+                for s in ("mean@1", "mean@4", "pass@1", "pass@2", "pass@4")
+            }
             assert all(0 <= v <= 1 for v in k.values()), k
             assert k["pass@1"] <= k["pass@2"] <= k["pass@4"], k
         # flexible scores and the reward's "acc" are 0 or 1, so pass@1 is the mean of the samples
@@ -411,7 +643,8 @@ def test_val_only_scores_the_base_model_and_a_checkpoint(assets, hf_run):
         key = f"{prefix}{name}/mean@1"
         assert base_row[key] == pytest.approx(logged[0][key], abs=1e-9)
         assert ckpt_row[key] == pytest.approx(logged[2][key], abs=1e-9)
-    assert base_row[f"{prefix}reward/mean@1"] != ckpt_row[f"{prefix}reward/mean@1"]  # the weights differ
+    # the weights differ
+    assert base_row[f"{prefix}reward/mean@1"] != ckpt_row[f"{prefix}reward/mean@1"]
 
 
 def write_parquet_without(src, dst, column):
@@ -419,8 +652,14 @@ def write_parquet_without(src, dst, column):
     pq.write_table(table.drop([column]), dst)
 
 
-BAD_INPUT = ["rollout_n_1", "missing_column", "missing_reward_file", "token_budget", "compile_update",
-             "dump_dir_is_a_file"]
+BAD_INPUT = [
+    "rollout_n_1",
+    "missing_column",
+    "missing_reward_file",
+    "token_budget",
+    "compile_update",
+    "dump_dir_is_a_file",
+]
 
 
 def bad_input(assets, case):
@@ -436,7 +675,10 @@ def bad_input(assets, case):
         expected = ["--ppo_max_token_len_per_gpu 100 must hold the longest sequence"]
     elif case == "compile_update":
         args += ["--compile_update", "true", "--compile_layers", "false"]
-        expected = ["--compile_update compiles the update's decoder layers, which --compile_layers false leaves eager"]
+        expected = [
+            "--compile_update compiles the update's decoder layers, which --compile_layers false "
+            "leaves eager"
+        ]
     elif case == "dump_dir_is_a_file":
         args += ["--validation_data_dir", str(assets["reward"])]
         expected = [f"--validation_data_dir {assets['reward']} is a file, not a folder"]
@@ -454,10 +696,14 @@ def bad_input(assets, case):
 
 @pytest.fixture(scope="module")
 def bad_input_runs(assets):
-    """Each case of BAD_INPUT launched as a plain single process (one import for all: launch_forked)."""
+    """Each case of BAD_INPUT launched as a plain single process (one import for all:
+    launch_forked)."""
     cases = {case: bad_input(assets, case) for case in BAD_INPUT}
     procs = launch_forked([args for _, args, _ in cases.values()])
-    return {case: (out, expected, proc) for (case, (out, _, expected)), proc in zip(cases.items(), procs)}
+    return {
+        case: (out, expected, proc)
+        for (case, (out, _, expected)), proc in zip(cases.items(), procs)
+    }
 
 
 @pytest.mark.parametrize("case", BAD_INPUT)
@@ -474,6 +720,8 @@ def test_a_fresh_run_refuses_a_folder_with_checkpoints(assets, hf_run):
     before = sorted(os.listdir(hf_run))
     proc = launch(flags(assets, hf_run, "hf", 2, "disable"), nproc=0, timeout=120)
     assert proc.returncode != 0
-    assert "holds checkpoints of an earlier run" in proc.output and "--resume_mode auto" in proc.output
+    assert (
+        "holds checkpoints of an earlier run" in proc.output and "--resume_mode auto" in proc.output
+    )
     assert "Loading weights" not in proc.output
     assert sorted(os.listdir(hf_run)) == before

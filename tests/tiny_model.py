@@ -1,4 +1,5 @@
-"""Test helpers: a free port, random samples, a gradient recorder. The tiny model itself is bench/tiny.py."""
+"""Test helpers: a free port, random samples, a gradient recorder. The tiny model itself is
+bench/tiny.py."""
 
 import socket
 
@@ -13,10 +14,16 @@ def free_port() -> int:
 
 
 def make_samples(lengths, seed=0):
-    """(prompt_ids, response_ids) pairs of the given (prompt, response) lengths, random byte tokens."""
+    """(prompt_ids, response_ids) pairs of the given (prompt, response) lengths, random byte
+    tokens."""
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 256, (p,), generator=g).tolist(), torch.randint(0, 256, (r,), generator=g).tolist())
-            for p, r in lengths]
+    return [
+        (
+            torch.randint(0, 256, (p,), generator=g).tolist(),
+            torch.randint(0, 256, (r,), generator=g).tolist(),
+        )
+        for p, r in lengths
+    ]
 
 
 LENGTHS = [(5, 3), (9, 6), (3, 1), (7, 4)]  # N = 4 sequences, T = 6

@@ -24,8 +24,7 @@ from transformers import AutoModelForCausalLM
 
 import rollout
 import sharding
-from bench.tiny import make_tiny_tokenizer
-from bench.tiny import make_tiny_model
+from bench.tiny import make_tiny_model, make_tiny_tokenizer
 
 B, T = 2, 24  # rows per rank, tokens per row of the training batches
 LR = 1e-2  # large, so two AdamW steps move every weight (embeddings included) far from its init
@@ -41,7 +40,8 @@ def batch(step: int, world: int):
     starts = torch.randint(1, T // 2, (world * B,), generator=gen)
     ends = torch.randint(T // 2 + 1, T + 1, (world * B,), generator=gen)
     pos = torch.arange(T)
-    loss_mask = ((pos >= starts[:, None]) & (pos < ends[:, None])).float()  # (N, T), 1 on predicted tokens
+    # (N, T), 1 on predicted tokens
+    loss_mask = ((pos >= starts[:, None]) & (pos < ends[:, None])).float()
     return input_ids, loss_mask
 
 
@@ -53,8 +53,9 @@ def nll_sum(model, input_ids, loss_mask):
 
 
 def sharded_step(model, opt, sched, step, rank, world):
-    """One AdamW step of the FSDP2 model on this rank's rows. The loss is divided by the global token
-    count; FSDP2 averages gradients over ranks, so the local loss is scaled by the world size."""
+    """One AdamW step of the FSDP2 model on this rank's rows. The loss is divided by the global
+    token count; FSDP2 averages gradients over ranks, so the local loss is scaled by the world
+    size."""
     input_ids, loss_mask = batch(step, world)
     n_tokens = loss_mask[:, 1:].sum()
     rows = slice(rank * B, (rank + 1) * B)
@@ -87,7 +88,9 @@ def reference_step(model, opt, sched, step, world, micro_batches=1):
 
 def make_optim(model):
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    return opt, torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.5, total_iters=10)
+    return opt, torch.optim.lr_scheduler.LinearLR(
+        opt, start_factor=1.0, end_factor=0.5, total_iters=10
+    )
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -105,9 +108,16 @@ def hf_greedy(model, prompts):
     """transformers' greedy decoding, one prompt at a time (no padding)."""
     out = []
     for ids in prompts:
-        gen = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=MAX_TOKENS, do_sample=False, top_k=None, top_p=None, temperature=None)
-        out.append(gen[0, len(ids):].tolist())
+        gen = model.generate(
+            input_ids=torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+        )
+        out.append(gen[0, len(ids) :].tolist())
     return out
 
 
@@ -122,13 +132,17 @@ def rescore(model, prompts, samples, temperature):
     rollout_log_probs = torch.zeros(len(seqs), width - 1)
     for i, (p, s) in enumerate(seqs):
         ids = p + s.token_ids
-        input_ids[i, :len(ids)] = torch.tensor(ids)
-        attention_mask[i, :len(ids)] = 1
-        response_mask[i, len(p) - 1:len(ids) - 1] = 1
-        rollout_log_probs[i, len(p) - 1:len(ids) - 1] = torch.tensor(s.logprobs)
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention_mask[i, : len(ids)] = 1
+        response_mask[i, len(p) - 1 : len(ids) - 1] = 1
+        rollout_log_probs[i, len(p) - 1 : len(ids) - 1] = torch.tensor(s.logprobs)
     with torch.no_grad():
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
-    log_probs = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    log_probs = (
+        torch.log_softmax(logits[:, :-1] / temperature, -1)
+        .gather(-1, input_ids[:, 1:, None])
+        .squeeze(-1)
+    )
     return rollout.logprob_gap(log_probs, rollout_log_probs, response_mask)
 
 
@@ -152,7 +166,9 @@ def main(work: str) -> list[dict]:
 
     ref, model, model_gc = load(), load(), load()
     sharding.apply_fsdp2(model, param_dtype=torch.float32, reduce_dtype=torch.float32)
-    sharding.apply_fsdp2(model_gc, param_dtype=torch.float32, reduce_dtype=torch.float32, gradient_checkpointing=True)
+    sharding.apply_fsdp2(
+        model_gc, param_dtype=torch.float32, reduce_dtype=torch.float32, gradient_checkpointing=True
+    )
     r["sharded"] = all(isinstance(p, sharding.DTensor) for p in model.parameters())
 
     # --- 2. iter_full_tensors equals the unsharded state dict: names, exact values, bf16 cast
@@ -163,9 +179,10 @@ def main(work: str) -> list[dict]:
         r[f"full_names_{tag}"] = sorted(full) == sorted(set(ref_sd) - tied_extra)
         r[f"full_exact_{tag}"] = all(torch.equal(full[k], ref_sd[k]) for k in full)
         bf16 = dict(sharding.iter_full_tensors(m, dtype=torch.bfloat16))
-        r[f"full_bf16_{tag}"] = (sorted(bf16) == sorted(full)
-                                 and all(t.dtype == torch.bfloat16 and torch.equal(t, ref_sd[k].bfloat16())
-                                         for k, t in bf16.items()))
+        r[f"full_bf16_{tag}"] = sorted(bf16) == sorted(full) and all(
+            t.dtype == torch.bfloat16 and torch.equal(t, ref_sd[k].bfloat16())
+            for k, t in bf16.items()
+        )
     init_embed = ref_sd["model.embed_tokens.weight"].clone()
     # bf16 compute: after a no-grad forward the root (not resharded after forward) holds bf16
     # copies; the stream must still give the fp32 masters
@@ -174,8 +191,9 @@ def main(work: str) -> list[dict]:
     with torch.no_grad():
         model_bf16(input_ids=torch.tensor([[1, 2, 3]]))
     full = dict(sharding.iter_full_tensors(model_bf16))
-    r["full_exact_after_bf16_forward"] = all(t.dtype == torch.float32 and torch.equal(t, ref_sd[k])
-                                             for k, t in full.items())
+    r["full_exact_after_bf16_forward"] = all(
+        t.dtype == torch.float32 and torch.equal(t, ref_sd[k]) for k, t in full.items()
+    )
     del model_bf16
 
     # --- 1. FSDP2 training equals unsharded training in fp32 (two AdamW steps)
@@ -199,11 +217,16 @@ def main(work: str) -> list[dict]:
         r[f"loss_step{step}"] = ref_loss
     r["grad_max"] = max(g.abs().max().item() for g in ref_grads.values())
     ref_params = dict(ref.named_parameters())
-    r["param_diff"] = max_diff(dict(sharding.iter_full_tensors(model)), {k: v.detach() for k, v in ref_params.items()})
-    r["param_diff_gc"] = max_diff(dict(sharding.iter_full_tensors(model_gc)),
-                                  {k: v.detach() for k, v in ref_params.items()})
-    r["param_diff_mb"] = max_diff(dict(sharding.iter_full_tensors(model)),
-                                  {k: v.detach() for k, v in ref_mb.named_parameters()})
+    r["param_diff"] = max_diff(
+        dict(sharding.iter_full_tensors(model)), {k: v.detach() for k, v in ref_params.items()}
+    )
+    r["param_diff_gc"] = max_diff(
+        dict(sharding.iter_full_tensors(model_gc)), {k: v.detach() for k, v in ref_params.items()}
+    )
+    r["param_diff_mb"] = max_diff(
+        dict(sharding.iter_full_tensors(model)),
+        {k: v.detach() for k, v in ref_mb.named_parameters()},
+    )
     del ref_mb, ref_mb_opt
     r["embed_moved"] = (ref_params["model.embed_tokens.weight"] - init_embed).abs().max().item()
     del model_gc, opt_gc
@@ -211,16 +234,22 @@ def main(work: str) -> list[dict]:
     # --- 5. (first half) save at world size 2; reference.pt holds what a world-size-1 load must see
     ckpt_root = os.path.join(work, "ckpt")
     trainer_state = {"epoch": 0, "data_index": 7}
-    sharding.save_checkpoint(ckpt_root, 2, {"actor": model}, {"actor": opt}, {"actor": sched}, trainer_state)
+    sharding.save_checkpoint(
+        ckpt_root, 2, {"actor": model}, {"actor": opt}, {"actor": sched}, trainer_state
+    )
     # copies: the gathered state shares its scalar `step` tensors with the live optimizer
-    full_optim = copy.deepcopy(get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True)))
+    full_optim = copy.deepcopy(
+        get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    )
     sched_step2 = sched.state_dict()
     logits_step2 = probe_logits(model)
 
     # --- 3. push trained weights into vLLM: greedy equals transformers, sampled log-probs match
     tok = make_tiny_tokenizer()
     prompts = [tok.encode(p) for p in PROMPTS]
-    engine = rollout.VLLMEngine(model_dir, max_model_len=256, seed=0, max_num_seqs=16, **rollout.ON_CPU)
+    engine = rollout.VLLMEngine(
+        model_dir, max_model_len=256, seed=0, max_num_seqs=16, **rollout.ON_CPU
+    )
     before, _ = greedy(engine, prompts)  # still the initial weights from disk
     engine.update_weights(sharding.iter_full_tensors(model))
     trained_tokens, trained_logprobs = greedy(engine, prompts)
@@ -231,7 +260,8 @@ def main(work: str) -> list[dict]:
     samples = engine.generate(prompts, n=2, temperature=1.0, max_tokens=MAX_TOKENS)
     r["gap_trained"] = rescore(model, prompts, samples, 1.0)
     r["gap_trained_ref"] = rescore(ref, prompts, samples, 1.0)
-    # tp=1: each rank is its own data-parallel group with its own seed, so the same prompts sample differently
+    # tp=1: each rank is its own data-parallel group with its own seed, so the same prompts sample
+    # differently
     all_samples = [None] * world
     dist.all_gather_object(all_samples, [[s.token_ids for s in g] for g in samples])
     r["ranks_sample_differently"] = all_samples[0] != all_samples[1]
@@ -242,7 +272,10 @@ def main(work: str) -> list[dict]:
     # --- 4. perturbed weights (embeddings, hence the tied lm_head, included) change the output;
     # pushing the trained weights back restores it exactly
     gen = torch.Generator().manual_seed(5)
-    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in sharding.iter_full_tensors(model)}
+    perturbed = {
+        k: v + 0.05 * torch.randn(v.shape, generator=gen)
+        for k, v in sharding.iter_full_tensors(model)
+    }
     ref_pert = copy.deepcopy(ref)
     ref_pert.load_state_dict(perturbed, strict=False)
     r["pert_tied"] = ref_pert.lm_head.weight is ref_pert.model.embed_tokens.weight
@@ -251,26 +284,34 @@ def main(work: str) -> list[dict]:
     rollout._repack_tied_lm_head = lambda m: None
     try:
         engine.update_weights(iter(perturbed.items()))
-        r["gap_stale_head"] = rescore(ref_pert, prompts, engine.generate(prompts, temperature=1.0,
-                                                                         max_tokens=MAX_TOKENS), 1.0)
+        r["gap_stale_head"] = rescore(
+            ref_pert, prompts, engine.generate(prompts, temperature=1.0, max_tokens=MAX_TOKENS), 1.0
+        )
     finally:
         rollout._repack_tied_lm_head = repack
     engine.update_weights(iter(perturbed.items()))
     pert_tokens, _ = greedy(engine, prompts)
     r["pert_changed"] = pert_tokens != trained_tokens
     r["pert_equal_hf"] = pert_tokens == hf_greedy(ref_pert, prompts)
-    r["gap_pert"] = rescore(ref_pert, prompts, engine.generate(prompts, n=2, temperature=1.0, max_tokens=MAX_TOKENS),
-                            1.0)
+    r["gap_pert"] = rescore(
+        ref_pert,
+        prompts,
+        engine.generate(prompts, n=2, temperature=1.0, max_tokens=MAX_TOKENS),
+        1.0,
+    )
     engine.update_weights(sharding.iter_full_tensors(model))
     restored_tokens, restored_logprobs = greedy(engine, prompts)
     r["restored_tokens"] = restored_tokens == trained_tokens
     r["restored_logprobs"] = restored_logprobs == trained_logprobs
-    r["gap_restored"] = rescore(model, prompts, engine.generate(prompts, n=2, temperature=1.0, max_tokens=MAX_TOKENS),
-                                1.0)
-    # bf16 stream into the fp32 engine: the engine casts, tokens may differ but the log-probs stay close
+    r["gap_restored"] = rescore(
+        model, prompts, engine.generate(prompts, n=2, temperature=1.0, max_tokens=MAX_TOKENS), 1.0
+    )
+    # bf16 stream into the fp32 engine: the engine casts, tokens may differ but the log-probs stay
+    # close
     engine.update_weights(sharding.iter_full_tensors(model, dtype=torch.bfloat16))
-    r["gap_bf16_push"] = rescore(model, prompts, engine.generate(prompts, n=2, temperature=1.0,
-                                                                 max_tokens=MAX_TOKENS), 1.0)
+    r["gap_bf16_push"] = rescore(
+        model, prompts, engine.generate(prompts, n=2, temperature=1.0, max_tokens=MAX_TOKENS), 1.0
+    )
     engine.update_weights(sharding.iter_full_tensors(model))
 
     # --- 6. a save that dies midway leaves the previous checkpoint as the latest, and it loads
@@ -284,7 +325,9 @@ def main(work: str) -> list[dict]:
 
     sharding.dcp.save = dying_save
     try:
-        sharding.save_checkpoint(ckpt_root, 3, {"actor": model}, {"actor": opt}, {"actor": sched}, trainer_state)
+        sharding.save_checkpoint(
+            ckpt_root, 3, {"actor": model}, {"actor": opt}, {"actor": sched}, trainer_state
+        )
         r["crash_raised"] = False
     except RuntimeError:
         r["crash_raised"] = True
@@ -298,7 +341,9 @@ def main(work: str) -> list[dict]:
     fresh = load()
     sharding.apply_fsdp2(fresh, param_dtype=torch.float32, reduce_dtype=torch.float32)
     fresh_opt, fresh_sched = make_optim(fresh)
-    state = sharding.load_checkpoint(latest, {"actor": fresh}, {"actor": fresh_opt}, {"actor": fresh_sched})
+    state = sharding.load_checkpoint(
+        latest, {"actor": fresh}, {"actor": fresh_opt}, {"actor": fresh_sched}
+    )
     r["loaded_state_ws2"] = state
     r["loaded_logits_diff_ws2"] = (probe_logits(fresh) - logits_step2).abs().max().item()
     r["loaded_lr_ws2"] = [fresh_sched.get_last_lr(), sched.get_last_lr()]
@@ -322,10 +367,18 @@ def main(work: str) -> list[dict]:
     sharded_step(model, opt, sched, 3, rank, world)
     logits_step3 = probe_logits(model)
     if rank == 0:
-        torch.save({"logits_step2": logits_step2, "logits_step3": logits_step3, "optim": full_optim,
-                    "sched": sched_step2, "trainer_state": trainer_state, "greedy_tokens": hf_trained,
-                    "prompts": prompts},
-                   os.path.join(work, "reference.pt"))
+        torch.save(
+            {
+                "logits_step2": logits_step2,
+                "logits_step3": logits_step3,
+                "optim": full_optim,
+                "sched": sched_step2,
+                "trainer_state": trainer_state,
+                "greedy_tokens": hf_trained,
+                "prompts": prompts,
+            },
+            os.path.join(work, "reference.pt"),
+        )
 
     per_rank = [None] * world
     dist.all_gather_object(per_rank, r)

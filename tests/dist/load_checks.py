@@ -1,8 +1,8 @@
 """World size 1 side of the checkpoint and export checks: run after tests/dist/engine_checks.py
 with the same WORKDIR, as torchrun --nproc_per_node=1 tests/dist/load_checks.py WORKDIR.
 
-Loads the checkpoint that 2 ranks saved into a 1-rank FSDP2 model, AdamW and LR scheduler and compares
-outputs, optimizer state and one more training step with what the 2 ranks recorded in
+Loads the checkpoint that 2 ranks saved into a 1-rank FSDP2 model, AdamW and LR scheduler and
+compares outputs, optimizer state and one more training step with what the 2 ranks recorded in
 reference.pt; then opens the exported Hugging Face folders with transformers and with a new vLLM
 engine. Results go to WORKDIR/load_checks.json for tests/test_engine.py to assert on.
 """
@@ -22,13 +22,25 @@ from transformers import AutoModelForCausalLM
 
 import rollout
 import sharding
-from tests.dist.engine_checks import MAX_TOKENS, batch, greedy, hf_greedy, make_optim, nll_sum, probe_logits
+from tests.dist.engine_checks import (
+    MAX_TOKENS,
+    batch,
+    greedy,
+    hf_greedy,
+    make_optim,
+    nll_sum,
+    probe_logits,
+)
 
 
 def tensors_equal(a, b) -> bool:
     """Nested optimizer state dicts hold identical tensors and values."""
     if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
+        return (
+            isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(tensors_equal(a[k], b[k]) for k in a)
+        )
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor):
@@ -50,14 +62,22 @@ def main(work: str) -> dict:
     r["latest"] = os.path.relpath(latest, work)
     with open(os.path.join(latest, "trainer_state.json")) as f:
         r["saved_world_size"] = json.load(f)["world_size"]
-    state = sharding.load_checkpoint(os.path.join(work, "ckpt", "global_step_2"), {"actor": model},
-                                     {"actor": opt}, {"actor": sched})
+    state = sharding.load_checkpoint(
+        os.path.join(work, "ckpt", "global_step_2"),
+        {"actor": model},
+        {"actor": opt},
+        {"actor": sched},
+    )
     r["trainer_state"] = state
     r["trainer_state_expected"] = {"global_step": 2, "world_size": 2, **ref["trainer_state"]}
-    full_optim = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    full_optim = get_optimizer_state_dict(
+        model, opt, options=StateDictOptions(full_state_dict=True)
+    )
     r["logits_diff"] = (probe_logits(model) - ref["logits_step2"]).abs().max().item()
     r["optim_equal"] = tensors_equal(full_optim, ref["optim"])
-    r["optim_has_moments"] = all({"exp_avg", "exp_avg_sq", "step"} <= s.keys() for s in full_optim["state"].values())
+    r["optim_has_moments"] = all(
+        {"exp_avg", "exp_avg_sq", "step"} <= s.keys() for s in full_optim["state"].values()
+    )
     r["sched_equal"] = sched.state_dict() == ref["sched"]
     # step 3 on the whole global batch, accumulated over the two ranks' halves in their order
     input_ids, loss_mask = batch(3, 2)
@@ -78,10 +98,12 @@ def main(work: str) -> dict:
     exported_bf16 = AutoModelForCausalLM.from_pretrained(os.path.join(work, "export_bf16"))
     r["export_bf16_dtype"] = str(exported_bf16.dtype)
     fp32_weights = exported.state_dict()
-    r["export_bf16_weights"] = all(torch.equal(t, fp32_weights[k].bfloat16())
-                                   for k, t in exported_bf16.state_dict().items())
-    engine = rollout.VLLMEngine(os.path.join(work, "export"), max_model_len=256, seed=0, max_num_seqs=16,
-                                **rollout.ON_CPU)
+    r["export_bf16_weights"] = all(
+        torch.equal(t, fp32_weights[k].bfloat16()) for k, t in exported_bf16.state_dict().items()
+    )
+    engine = rollout.VLLMEngine(
+        os.path.join(work, "export"), max_model_len=256, seed=0, max_num_seqs=16, **rollout.ON_CPU
+    )
     tokens, _ = greedy(engine, prompts)
     r["export_vllm_greedy"] = tokens == ref["greedy_tokens"]
     r["max_tokens"] = MAX_TOKENS

@@ -19,7 +19,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 import sharding  # noqa: E402
-import train_grpo  # noqa: E402
 from rollout import ON_CPU, VLLMEngine, logprob_gap  # noqa: E402
 
 GPU = torch.cuda.is_available()
@@ -40,25 +39,44 @@ def varlen_attention_check(device):
     q = torch.randn(1, 14, L, 64, device=device, requires_grad=True)
     k, v = (torch.randn(1, 2, L, 64, device=device, requires_grad=True) for _ in range(2))
     w = torch.randn(1, L, 14, 64, device=device)
-    out, _ = sharding.packed_attention(None, *(t.bfloat16() for t in (q, k, v)), None, scaling=0.125,
-                                       cu_seq_lens=cu, max_seq_len=max(lens))
+    out, _ = sharding.packed_attention(
+        None,
+        *(t.bfloat16() for t in (q, k, v)),
+        None,
+        scaling=0.125,
+        cu_seq_lens=cu,
+        max_seq_len=max(lens),
+    )
     grads = torch.autograd.grad((out.float() * w).sum(), (q, k, v))
     bounds = cu.tolist()
-    ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, a:b], k[:, :, a:b].repeat_interleave(7, 1), v[:, :, a:b].repeat_interleave(7, 1), is_causal=True,
-        scale=0.125).transpose(1, 2) for a, b in zip(bounds[:-1], bounds[1:])], 1)
+    ref = torch.cat(
+        [
+            torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, a:b],
+                k[:, :, a:b].repeat_interleave(7, 1),
+                v[:, :, a:b].repeat_interleave(7, 1),
+                is_causal=True,
+                scale=0.125,
+            ).transpose(1, 2)
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ],
+        1,
+    )
     ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
-    return {"varlen_flash_kernel_ran": device.type == "cuda" and not sharding._FLASH_FAILED,
-            "varlen_attention_max_diff": (out.float() - ref).abs().max().item(),
-            "varlen_attention_grad_rel_diff": max(((g - e).norm() / e.norm()).item()
-                                                  for g, e in zip(grads, ref_grads))}
+    return {
+        "varlen_flash_kernel_ran": device.type == "cuda" and not sharding._FLASH_FAILED,
+        "varlen_attention_max_diff": (out.float() - ref).abs().max().item(),
+        "varlen_attention_grad_rel_diff": max(
+            ((g - e).norm() / e.norm()).item() for g, e in zip(grads, ref_grads)
+        ),
+    }
 
 
 def compiled_log_probs_check(device, tokens=16384, vocab=151936):
-    """sharding.CompiledLogProbs (--use_torch_compile's log-probs and entropy, their gradient written by
-    hand) on bf16 logits of Qwen2.5's vocabulary, past inductor's 32-bit indexing (tokens x vocab >
-    2^31), against autograd through the eager math: the log-probs, the entropy, and the logits'
-    gradient of an unevenly weighted sum of both."""
+    """sharding.CompiledLogProbs (--use_torch_compile's log-probs and entropy, their gradient
+    written by hand) on bf16 logits of Qwen2.5's vocabulary, past inductor's 32-bit indexing (tokens
+    x vocab > 2^31), against autograd through the eager math: the log-probs, the entropy, and the
+    logits' gradient of an unevenly weighted sum of both."""
     g = torch.Generator(device).manual_seed(0)
     logits = (4 * torch.randn(tokens, vocab, generator=g, device=device)).bfloat16()
     targets = torch.randint(0, vocab, (tokens,), generator=g, device=device)
@@ -71,31 +89,42 @@ def compiled_log_probs_check(device, tokens=16384, vocab=151936):
         runs.append((log_probs.detach(), entropy.detach(), x.grad.float()))
         del x, log_probs, entropy
     (expected, expected_entropy, expected_grad), (actual, actual_entropy, actual_grad) = runs
-    return {"compiled_log_probs_max_diff": (actual - expected).abs().max().item(),
-            "compiled_entropy_max_diff": (actual_entropy - expected_entropy).abs().max().item(),
-            "compiled_log_probs_grad_rel_diff": ((actual_grad - expected_grad).norm() / expected_grad.norm()).item()}
+    return {
+        "compiled_log_probs_max_diff": (actual - expected).abs().max().item(),
+        "compiled_entropy_max_diff": (actual_entropy - expected_entropy).abs().max().item(),
+        "compiled_log_probs_grad_rel_diff": (
+            (actual_grad - expected_grad).norm() / expected_grad.norm()
+        ).item(),
+    }
 
 
 def fused_check(model, samples):
-    """--use_fused_kernels in bf16 under FSDP2: log-probs, entropy and the gradients of each, from the
-    output layer chunk by chunk (sharding.ChunkedLogProbs), against the logits path. Differences are
-    means over response tokens: a matmul over other rows may round a bf16 logit the other way."""
+    """--use_fused_kernels in bf16 under FSDP2: log-probs, entropy and the gradients of each, from
+    the output layer chunk by chunk (sharding.ChunkedLogProbs), against the logits path. Differences
+    are means over response tokens: a matmul over other rows may round a bf16 logit the other
+    way."""
     runs = {}
     for fused in (False, True):
         for term in (0, 1):  # the gradient of the log-probs' sum, then of the entropies'
             model.zero_grad(set_to_none=True)
-            out = sharding.forward_log_probs(model, samples, 1.0, True, with_entropy=True, fused=fused)
+            out = sharding.forward_log_probs(
+                model, samples, 1.0, True, with_entropy=True, fused=fused
+            )
             out[term].sum().backward()
             grad = torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
             runs[fused, term] = out[term].detach(), grad
     model.zero_grad(set_to_none=True)
-    mask = sharding.response_targets(samples, runs[False, 0][0].shape[1], runs[False, 0][0].device)[1]
+    mask = sharding.response_targets(samples, runs[False, 0][0].shape[1], runs[False, 0][0].device)[
+        1
+    ]
     mean_diff = lambda a, b: ((a - b).abs() * mask).sum().item() / mask.sum().item()  # noqa: E731
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
-    return {"fused_log_prob_mean_diff": mean_diff(runs[True, 0][0], runs[False, 0][0]),
-            "fused_entropy_mean_diff": mean_diff(runs[True, 1][0], runs[False, 1][0]),
-            "fused_log_prob_grad_rel_diff": rel(runs[True, 0][1], runs[False, 0][1]),
-            "fused_entropy_grad_rel_diff": rel(runs[True, 1][1], runs[False, 1][1])}
+    return {
+        "fused_log_prob_mean_diff": mean_diff(runs[True, 0][0], runs[False, 0][0]),
+        "fused_entropy_mean_diff": mean_diff(runs[True, 1][0], runs[False, 1][0]),
+        "fused_log_prob_grad_rel_diff": rel(runs[True, 0][1], runs[False, 0][1]),
+        "fused_entropy_grad_rel_diff": rel(runs[True, 1][1], runs[False, 1][1]),
+    }
 
 
 def main(model_path, out_path):
@@ -107,23 +136,39 @@ def main(model_path, out_path):
         torch.cuda.set_device(device)
     res = {}
     res |= varlen_attention_check(device)
-    res |= compiled_log_probs_check(device) if GPU else compiled_log_probs_check(device, tokens=64, vocab=512)
+    res |= (
+        compiled_log_probs_check(device)
+        if GPU
+        else compiled_log_probs_check(device, tokens=64, vocab=512)
+    )
     if GPU:
         torch.cuda.empty_cache()
-    actor = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                 attn_implementation=sharding.PACKED_ATTENTION).to(device)
+    actor = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32, attn_implementation=sharding.PACKED_ATTENTION
+    ).to(device)
     sharding.apply_fsdp2(actor)
-    engine = VLLMEngine(model_path, gpu_memory_utilization=0.3, max_model_len=1024, load_format="dummy",
-                        **({} if GPU else ON_CPU))
+    engine = VLLMEngine(
+        model_path,
+        gpu_memory_utilization=0.3,
+        max_model_len=1024,
+        load_format="dummy",
+        **({} if GPU else ON_CPU),
+    )
     config = engine.llm.llm_engine.vllm_config.compilation_config
-    res["engine_compilation"] = {"mode": int(config.mode), "cudagraph_mode": config.cudagraph_mode.name}
+    res["engine_compilation"] = {
+        "mode": int(config.mode),
+        "cudagraph_mode": config.cudagraph_mode.name,
+    }
     push = lambda: engine.update_weights(sharding.iter_full_tensors(actor, torch.bfloat16))  # noqa: E731
     push()
     prompts = [list(range(100 + i, 140 + i)) for i in range(8)]
-    greedy = lambda: [s.token_ids for o in engine.generate(prompts, temperature=0, max_tokens=24) for s in o]  # noqa
+    greedy = lambda: [
+        s.token_ids for o in engine.generate(prompts, temperature=0, max_tokens=24) for s in o
+    ]  # noqa
     before = greedy()
 
-    # the trained weights arrive: a perturbation changes the output, the engine agrees with the actor
+    # the trained weights arrive: a perturbation changes the output, the engine agrees with the
+    # actor
     originals = {n: p.detach().clone() for n, p in actor.named_parameters()}
     with torch.no_grad():
         for p in actor.parameters():
@@ -135,15 +180,20 @@ def main(model_path, out_path):
     samples = [(p, s.token_ids) for p, o in zip(prompts, sampled) for s in o]
     T = max(len(r) for _, r in samples)
     lp, _ = sharding.batched_log_probs(actor, samples, 8, 1.0, True, T)
-    rlp = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for o in sampled for s in o], device=device)
+    rlp = torch.tensor(
+        [s.logprobs + [0.0] * (T - len(s.logprobs)) for o in sampled for s in o], device=device
+    )
     res["logprob_gap_bf16"] = logprob_gap(lp, rlp, sharding.response_targets(samples, T, device)[1])
     res |= fused_check(actor, samples)
     if GPU:
         # the same model with its shards offloaded to the CPU (--param_offload, --ref_param_offload)
         # computes on the GPU and gives the same log-probs
-        offloaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                         attn_implementation=sharding.PACKED_ATTENTION)
-        offloaded.load_state_dict({n: t.cpu() for n, t in sharding.iter_full_tensors(actor)}, strict=False)
+        offloaded = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, attn_implementation=sharding.PACKED_ATTENTION
+        )
+        offloaded.load_state_dict(
+            {n: t.cpu() for n, t in sharding.iter_full_tensors(actor)}, strict=False
+        )
         sharding.apply_fsdp2(offloaded, cpu_offload=True)
         off_lp, _ = sharding.batched_log_probs(offloaded, samples, 8, 1.0, True, T)
         res["offloaded_log_prob_max_diff"] = (off_lp - lp).abs().max().item()
@@ -162,9 +212,12 @@ def main(model_path, out_path):
     engine.sleep()
     if GPU:
         res["freed_by_sleep_gib"] = awake - used_gib()
-        # torch still counts the sleeping pool as allocated; the train scripts' phase peaks subtract it
+        # torch still counts the sleeping pool as allocated; the train scripts' phase peaks subtract
+        # it
         res["unbacked_gib_asleep"] = engine.unbacked_bytes() / 2**30
-        res["allocated_less_unbacked_gib"] = (torch.cuda.memory_allocated() - engine.unbacked_bytes()) / 2**30
+        res["allocated_less_unbacked_gib"] = (
+            torch.cuda.memory_allocated() - engine.unbacked_bytes()
+        ) / 2**30
         res["used_asleep_gib"] = used_gib()
     push()
     res["sync_from_sleep_same_output"] = greedy() == before
@@ -180,8 +233,11 @@ def main(model_path, out_path):
             for p in actor.parameters():
                 p.zero_()
         sharding.load_checkpoint(sharding.latest_checkpoint(tmp), {"actor": actor}, {"actor": opt})
-        res["checkpoint_roundtrip_max_diff"] = (actor(ids).logits.float() - ref_logits).abs().max().item()
+        res["checkpoint_roundtrip_max_diff"] = (
+            (actor(ids).logits.float() - ref_logits).abs().max().item()
+        )
         from transformers import AutoTokenizer
+
         # plain vLLM loads the export after this process ends (test_gpu.py): a plain vLLM process
         # started beside this one's live engine did not return within 5 minutes, twice
         export_dir = os.path.join(os.path.dirname(out_path), "export")
