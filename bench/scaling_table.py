@@ -29,9 +29,10 @@ def summary(path):
     """Medians of a run's steps after the first, and its peak memory."""
     rows = [r for r in map(json.loads, open(path)) if "timing_s/step" in r]
     steady = rows[1:] or rows
-    med = lambda key: (
-        statistics.median(r[key] for r in steady) if all(key in r for r in steady) else None
-    )  # noqa
+
+    def med(key):
+        return statistics.median(r[key] for r in steady) if all(key in r for r in steady) else None
+
     out = {p: med(f"timing_s/{p}") for p in PHASES}
     out |= {
         "throughput": med("perf/throughput"),

@@ -46,10 +46,13 @@ def test_speed_of_light_by_hand():
 
 def test_table_and_summary(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
-    peaks = lambda gen, update: {
-        "perf/max_memory_allocated_gb/gen": gen,  # noqa: E731
-        "perf/max_memory_allocated_gb/update_actor": update,
-    }
+
+    def peaks(gen, update):
+        return {
+            "perf/max_memory_allocated_gb/gen": gen,
+            "perf/max_memory_allocated_gb/update_actor": update,
+        }
+
     rows = [
         {"step": 0, "val-core/x/reward/mean@1": 0.1},
         ROW | {"timing_s/since_launch": 95.4} | peaks(90.0, 80.0),
@@ -102,12 +105,12 @@ def test_learn_table_by_hand(tmp_path, capsys):
     """Training time sums the steps; wall time adds validation and checkpoints; a step run again
     after a resume counts once, as its later line; the summary reads the last validation within the
     budget."""
-    val = lambda strict, flexible=None: (
-        {"val-core/a/reward/mean@1": strict}
-        | (  # noqa: E731
+
+    def val(strict, flexible=None):
+        return {"val-core/a/reward/mean@1": strict} | (
             {} if flexible is None else {"val-core/a/reward_flexible/mean@1": flexible}
         )
-    )
+
     rows = [
         {"step": 0} | val(0.0, 0.2),
         {"step": 1, "timing_s/step": 30.0},

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 COMPILE_AHEAD = """
 import functools, os, sys, torch, torch.distributed as dist
-torch.compile = functools.partial(torch.compile, backend="aot_eager")  # before the scripts compile anything
+# before the scripts compile anything
+torch.compile = functools.partial(torch.compile, backend="aot_eager")
 sys.path.insert(0, os.getcwd())
 import sharding, train_grpo, train_ppo
 from torch._dynamo.utils import counters
@@ -35,7 +36,8 @@ torch.manual_seed(0)
 advantages = torch.randn(5, 7) * mask
 
 
-def snapshot(*models):  # each parameter whole (a forward leaves the root's unsharded, the others are DTensors)
+# each parameter whole (a forward leaves the root's unsharded, the others are DTensors)
+def snapshot(*models):
     return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for m in models for p in m.parameters()]
 
@@ -45,38 +47,47 @@ def same(models, before):
 
 
 for script in (train_grpo, train_ppo):
-    kw = dict(model=path, compile_layers=True, use_torch_compile=True, compile_update=True, use_dynamic_bsz=True,
-              max_prompt_length=24, max_response_length=16, log_prob_max_token_len_per_gpu=160,
+    kw = dict(model=path, compile_layers=True, use_torch_compile=True, compile_update=True,
+              use_dynamic_bsz=True, max_prompt_length=24, max_response_length=16,
+              log_prob_max_token_len_per_gpu=160,
               ppo_max_token_len_per_gpu=96)  # the made-up batch: 160 // (8 + 16) = 6 sequences
     if script is train_ppo:
         kw.update(critic_model=path, critic_ppo_max_token_len_per_gpu=128)
     args = script.Args(**kw)
-    script.check_args(args, 1)  # fills in the defaults that depend on other flags
+    # fills in the defaults that depend on other flags
+    script.check_args(args, 1)
     sharding.compile_logits_math()
     actor = sharding.load_policy(path, device, True, False, args)
     ref = sharding.load_policy(path, device, False, False, args)
-    models = [actor, ref] + ([sharding.load_critic(path, device, args)] if script is train_ppo else [])
+    models = [actor, ref] + (
+        [sharding.load_critic(path, device, args)] if script is train_ppo else [])
     before = snapshot(*models)
-    torch._dynamo.reset()  # nothing compiled for the other script's models stays to be reused
+    # nothing compiled for the other script's models stays to be reused
+    torch._dynamo.reset()
     counters.clear()
-    critic = dict(critic=models[2], update_critic=script.update_critic) if script is train_ppo else {}
+    critic = (dict(critic=models[2], update_critic=script.update_critic)
+              if script is train_ppo else {})
     sharding.compile_ahead(actor, ref, args, device, script.update_actor, **critic)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0, script.__name__
     assert same(models, before), f"{script.__name__}: compile_ahead changed a weight"
-    assert all(p.grad is None for m in models for p in m.parameters()), f"{script.__name__}: gradients left behind"
-    # the step's passes, where the first step would compile, now compile nothing: any new graph fails here
+    assert all(p.grad is None for m in models for p in m.parameters()), (
+        f"{script.__name__}: gradients left behind")
+    # the step's passes, where the first step would compile, now compile nothing: any new graph
+    # fails here
     optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-3)
     budget = args.log_prob_max_token_len_per_gpu
     with torch.compiler.set_stance("fail_on_recompile"):
-        old, _ = sharding.batched_log_probs(actor, samples, 8, 1.0, True, 7, budget, with_entropy=True)
+        old, _ = sharding.batched_log_probs(actor, samples, 8, 1.0, True, 7, budget,
+                                            with_entropy=True)
         ref_log_probs, _ = sharding.batched_log_probs(ref, samples, 8, 1.0, True, 7, budget)
         if script is train_ppo:
             critic = models[2]
             values = sharding.batched_values(critic, samples, 8, True, 7, budget)
-            script.update_critic(critic, torch.optim.AdamW(critic.parameters(), lr=1e-3), samples, values,
-                                 advantages, mask, args, 1, device)
-        script.update_actor(actor, optimizer, samples, old, ref_log_probs, advantages, mask, args, 1, device)
+            script.update_critic(critic, torch.optim.AdamW(critic.parameters(), lr=1e-3), samples,
+                                 values, advantages, mask, args, 1, device)
+        script.update_actor(actor, optimizer, samples, old, ref_log_probs, advantages, mask, args,
+                            1, device)
     assert counters["stats"]["unique_graphs"] == graphs, script.__name__
     assert not same([actor], before), f"{script.__name__}: the real update changed nothing"
     print(script.__name__, "OK", graphs, flush=True)

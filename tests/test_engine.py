@@ -311,7 +311,8 @@ for dtype in (None, torch.bfloat16):
     for name, tensor in full.items():
         assert type(tensor) is torch.Tensor and tensor.dtype == (dtype or torch.float32), name
         assert torch.equal(tensor, expected[name].to(tensor.dtype)), name
-        assert tensor.data_ptr() != params[name].to_local().data_ptr(), name + " aliases the parameter"
+        assert tensor.data_ptr() != params[name].to_local().data_ptr(), (
+            name + " aliases the parameter")
 print("OK")
 """
 

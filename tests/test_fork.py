@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 RLOO = '''def compute_rloo_outcome_advantage(scores, response_mask, n):
     """A_i = r_i - mean_{j != i} r_j for every token of response i: RLOO's leave-one-out baseline
-    (Ahmadian et al. 2024, eq. 4). Consecutive rows form a group: scores (N,), response_mask (N, T)."""
+    (Ahmadian et al. 2024, eq. 4). Consecutive rows form a group: scores (N,), response_mask
+    (N, T)."""
     grouped = scores.view(-1, n)  # (B, n)
     baseline = (grouped.sum(-1, keepdim=True) - grouped) / (n - 1)
     return (grouped - baseline).reshape(-1, 1) * response_mask

@@ -397,7 +397,8 @@ samples = [([5, 6, 7], [8, 9]), ([1, 2], [3, 4, 5, 6])]
 sharding.batched_log_probs(actor, samples, 8, 1.0, True, 4)
 graphs = counters["stats"]["unique_graphs"]
 sharding.batched_log_probs(ref, samples, 8, 1.0, True, 4)
-assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs, (graphs, counters["stats"]["unique_graphs"])
+assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs, (
+    graphs, counters["stats"]["unique_graphs"])
 assert not ref.training and all(p.grad is None for p in ref.parameters())
 print("OK")
 """
@@ -433,11 +434,14 @@ for tie in (True, False):
     if rank == 0:
         make_tiny_model(path, tie=tie)
     dist.barrier()
-    actor = sharding.load_policy(path, torch.device("cpu"), True, False, train_grpo.Args(model=path))
-    samples = make_samples([(5, 3), (9, 6)] if rank == 0 else [(3, 1), (7, 4), (2, 5)], seed=rank)
+    actor = sharding.load_policy(path, torch.device("cpu"), True, False,
+                                 train_grpo.Args(model=path))
+    samples = make_samples([(5, 3), (9, 6)] if rank == 0 else [(3, 1), (7, 4), (2, 5)],
+                           seed=rank)
     grads = []
     for fused in (False, True):
-        log_probs, entropy = sharding.forward_log_probs(actor, samples, 0.7, True, True, fused=fused)
+        log_probs, entropy = sharding.forward_log_probs(actor, samples, 0.7, True, True,
+                                                        fused=fused)
         (log_probs.sum() + 0.1 * entropy.sum()).backward()
         grads.append({n: p.grad.full_tensor() for n, p in actor.named_parameters()})
         actor.zero_grad(set_to_none=True)
@@ -445,7 +449,8 @@ for tie in (True, False):
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-5, rtol=1e-5, msg=n)
         assert grads[0][n].abs().sum() > 0, n
-open(os.path.join(sys.argv[1], f"ok{rank}"), "w").close()  # a file each: two ranks' prints can interleave
+# a file each: two ranks' prints can interleave
+open(os.path.join(sys.argv[1], f"ok{rank}"), "w").close()
 """
 
 

@@ -545,7 +545,8 @@ def test_sigterm_checkpoints_the_step_in_progress_and_resume_continues(assets):
 SIGTERM_IN_VALIDATION = '''
 import os, signal
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    """The test set's first response scored sends this rank a SIGTERM, once: it lands in validation."""
+    """The test set's first response scored sends this rank a SIGTERM, once: it lands in
+    validation."""
     if extra_info["split"] == "test":
         try:
             os.close(os.open(__file__ + ".signalled", os.O_CREAT | os.O_EXCL))

@@ -21,7 +21,8 @@ import zlib
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    """1 or 0 by a checksum of the response: the two responses of a group tie about half the time."""
+    """1 or 0 by a checksum of the response: the two responses of a group tie about half the
+    time."""
     return float(zlib.crc32(solution_str.encode()) % 2)
 '''
 

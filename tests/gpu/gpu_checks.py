@@ -162,9 +162,12 @@ def main(model_path, out_path):
     push = lambda: engine.update_weights(sharding.iter_full_tensors(actor, torch.bfloat16))  # noqa: E731
     push()
     prompts = [list(range(100 + i, 140 + i)) for i in range(8)]
-    greedy = lambda: [
-        s.token_ids for o in engine.generate(prompts, temperature=0, max_tokens=24) for s in o
-    ]  # noqa
+
+    def greedy():
+        return [
+            s.token_ids for o in engine.generate(prompts, temperature=0, max_tokens=24) for s in o
+        ]
+
     before = greedy()
 
     # the trained weights arrive: a perturbation changes the output, the engine agrees with the
