@@ -1,5 +1,4 @@
-"""GRPO: Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath, eq. 3), as verl runs
-it.
+"""GRPO: Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath, eq. 3), as in verl.
 
 For each prompt, sample a group of n responses, score them with a rule reward, and use each
 response's score standardised within its group as the advantage of all of its tokens (eq. 3's
@@ -10,8 +9,8 @@ k3 = `low_var_kl` by default). No critic. Variants behind flags: Dr.GRPO (Liu et
 clip-higher and dynamic sampling (Yu et al. 2025, `--clip_ratio_high`, `--filter_groups`,
 `--gen_batch_size`), GRESO's selective rollout (Zheng et al. 2025, `--skip_all_equal`), dual-clip
 (Ye et al. 2020, `--clip_ratio_c`) and truncated importance sampling from the engine's distribution
-to the trainer's (`--rollout_is`). Left out: reward models
-(rule and user functions only), multi-turn rollouts, sequence parallelism.
+to the trainer's (`--rollout_is`). Left out: reward models (rule and user functions only),
+multi-turn rollouts, sequence parallelism.
 
 Run: torchrun --nproc_per_node=8 train_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct
 Shapes: B prompts, n samples per prompt, N = B*n sequences, T response tokens, V vocabulary.

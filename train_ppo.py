@@ -1,5 +1,4 @@
-"""PPO: Proximal Policy Optimization with a learned critic (Schulman et al. 2017), as verl runs it
-for RLHF.
+"""PPO: Proximal Policy Optimization with a learned critic (Schulman et al. 2017), as in verl.
 
 Sample one response per prompt (or n), score it with a rule reward, and subtract beta * KL(pi_old ||
 pi_ref) from every token's reward (Ziegler et al. 2019, eq. 2; beta fixed or adapted toward a target
@@ -65,9 +64,7 @@ class Args(run.RunArgs):
     critic_lr: float = flag(1e-5, "critic AdamW learning rate (constant)")
     critic_weight_decay: float = flag(0.01, "critic AdamW weight decay")
     critic_warmup: int = flag(
-        0,
-        "update only the critic for the first N steps (verl's `critic_warmup <= step` check: N - "
-        "1)",
+        0, "update only the critic for the first N steps (verl's `critic_warmup <= step`: N - 1)"
     )
     critic_ppo_micro_batch_size_per_gpu: int = flag(4, "sequences per critic forward")
     critic_ppo_max_token_len_per_gpu: int = flag(

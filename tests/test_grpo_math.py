@@ -12,13 +12,11 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import sharding
 import train_grpo
-from bench.tiny import tiny_config
 from sharding import forward_log_probs
-from tests.tiny_model import LENGTHS, GradRecorder, make_samples
+from tests.tiny_model import LENGTHS, GradRecorder, make_samples, tiny_policy
 from train_grpo import (
     Args,
     agg_loss,
@@ -420,16 +418,7 @@ def test_check_args_rejects_unknown_variants(kw, flag):
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    # as the scripts load it
-    model = AutoModelForCausalLM.from_config(
-        tiny_config(), dtype=torch.float32, attn_implementation=sharding.PACKED_ATTENTION
-    )
-    with torch.no_grad():  # larger weights than the default init, so log-probs are far from uniform
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.1)
-    return model
+    return tiny_policy()
 
 
 def accumulated_grads(

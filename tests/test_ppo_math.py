@@ -9,14 +9,13 @@ Shapes as in train_ppo.py: N sequences, T response tokens.
 
 import pytest
 import torch
-from transformers import AutoModelForTokenClassification
 
 import batches
 import sharding
 import train_ppo
 from bench.tiny import tiny_config
 from sharding import forward_values
-from tests.tiny_model import LENGTHS, GradRecorder, make_samples
+from tests.tiny_model import LENGTHS, GradRecorder, make_samples, tiny_critic
 from train_ppo import (
     AdaptiveKLController,
     Args,
@@ -358,17 +357,7 @@ def test_check_args_allows_one_sample_per_prompt_and_fills_the_critic():
 
 @pytest.fixture(scope="module")
 def critic():
-    torch.manual_seed(0)
-    config = tiny_config()
-    config.num_labels, config.classifier_dropout = 1, 0.0
-    model = AutoModelForTokenClassification.from_config(
-        config, dtype=torch.float32, attn_implementation=sharding.PACKED_ATTENTION
-    )
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.1)
-    return model
+    return tiny_critic()
 
 
 def test_update_critic_gradient_does_not_depend_on_micro_batch_size(critic, monkeypatch):

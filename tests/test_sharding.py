@@ -17,13 +17,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 import sharding
 import train_ppo
-from bench.tiny import tiny_config
 from sharding import entropy_from_logits, forward_log_probs, forward_values, token_log_probs
-from tests.tiny_model import LENGTHS, free_port, make_samples
+from tests.tiny_model import LENGTHS, free_port, make_samples, tiny_critic, tiny_policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,16 +59,7 @@ def test_entropy_from_logits():
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    # as the scripts load it
-    model = AutoModelForCausalLM.from_config(
-        tiny_config(), dtype=torch.float32, attn_implementation=sharding.PACKED_ATTENTION
-    )
-    with torch.no_grad():  # larger weights than the default init, so log-probs are far from uniform
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.1)
-    return model
+    return tiny_policy()
 
 
 @torch.no_grad()
@@ -562,17 +551,7 @@ def test_clip_and_step_clips_and_steps():
 
 @pytest.fixture(scope="module")
 def critic():
-    torch.manual_seed(0)
-    config = tiny_config()
-    config.num_labels, config.classifier_dropout = 1, 0.0
-    model = AutoModelForTokenClassification.from_config(
-        config, dtype=torch.float32, attn_implementation=sharding.PACKED_ATTENTION
-    )
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.1)
-    return model
+    return tiny_critic()
 
 
 @torch.no_grad()

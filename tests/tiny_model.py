@@ -4,6 +4,10 @@ bench/tiny.py."""
 import socket
 
 import torch
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+import sharding
+from bench.tiny import tiny_config
 
 
 def free_port() -> int:
@@ -40,3 +44,32 @@ class GradRecorder:
 
     def zero_grad(self, set_to_none=True):
         self.model.zero_grad(set_to_none=set_to_none)
+
+
+def tiny_policy():
+    """The tiny model in memory, as the scripts load it (packed attention), with larger weights than
+    the default init, so log-probs are far from uniform."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        tiny_config(), dtype=torch.float32, attn_implementation=sharding.PACKED_ATTENTION
+    )
+    return _spread(model)
+
+
+def tiny_critic():
+    """A value model on the tiny body, as sharding.load_critic builds one: one label, no dropout."""
+    torch.manual_seed(0)
+    config = tiny_config()
+    config.num_labels, config.classifier_dropout = 1, 0.0
+    model = AutoModelForTokenClassification.from_config(
+        config, dtype=torch.float32, attn_implementation=sharding.PACKED_ATTENTION
+    )
+    return _spread(model)
+
+
+@torch.no_grad()
+def _spread(model):
+    for p in model.parameters():
+        if p.dim() == 2:
+            p.normal_(0, 0.1)
+    return model
