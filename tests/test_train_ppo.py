@@ -333,6 +333,37 @@ def test_critic_warmup_updates_only_the_critic_first(assets):
             assert not torch.equal(actor2[name], w), name  # step 2: the actor trains
 
 
+def test_groups_filtered_and_generated_beside_the_training(assets):
+    """The batch's extras are shared flags (batches.py): PPO with groups of 2, DAPO's filter and
+    one-step off-policy generation trains two steps on groups whose scores vary."""
+    out = two_step_run(
+        assets,
+        "hf",
+        "--rollout_n",
+        "2",
+        "--filter_groups",
+        "--one_step_off_policy",
+        "--rollout_data_dir",
+        str(assets["tmp"] / "ppo_filter_rollouts"),
+        name="ppo_filter",
+    )
+    m = metrics_by_step(out)
+    # step 1's weights go into the engine at step 2's start, once the batch it generated is done
+    check_metrics(m[2], METRICS, 2)
+    for step in (1, 2):
+        assert m[step]["rollout/gen_prompts"] >= 4 and "timing_s/gen_background" in m[step]
+        rows = [
+            json.loads(line)
+            for line in open(assets["tmp"] / "ppo_filter_rollouts" / f"{step}.jsonl")
+        ]
+        scores = {}
+        for row in rows:  # the rows of a group: the same prompt
+            scores.setdefault(row["input"], []).append(row["score"])
+        assert len(scores) == 4 and all(
+            len(set(s)) == 2 for s in scores.values()
+        )  # every group varies
+
+
 def test_fused_kernels_train_the_same_step(assets, hf_run):
     """--use_fused_kernels changes how the actor's update computes its log-probs, not what it
     computes: the first step, on the same rollouts, logs the actor's and the critic's metrics of the
