@@ -1,19 +1,17 @@
-"""A step's batch: what phases 1 and 2 of a train script (generate, score) hand to the rest, and
-validation.
+"""A step's batch, what phases 1 and 2 of a train script (generate, score) hand on; validation.
 
-`Batches.next(step)` returns the step's `Batch`: B groups of n scored responses, the same on every
-rank, and this rank's share of them as tensors (its sequences, their response mask, scores and the
-engine's own log-probs). `Batches.push_weights()` is phase 6, the updated policy into the engine.
-Behind these two calls sit the options that change how a batch is made, not the algorithm that
-trains on it:
-- DAPO's dynamic sampling (Yu et al. 2025, `filter_groups`): groups whose responses all scored alike
-  carry no advantage, so they are dropped and more prompts generated, in rounds, until B groups
-  vary;
-- GRESO's selective rollout (Zheng et al. 2025, `skip_all_equal`): skip, before generating, a prompt
-  whose latest groups were all-equal (the filter would likely drop it again);
-- one-step off-policy generation (`one_step_off_policy`, verl's recipe of that name): the next
-  step's batch is generated in a second thread while this one trains, with the weights from before
-  its update.
+`Batches.next(step, timer)` returns the step's `Batch`: B groups of n scored responses, the same on
+every rank, and this rank's share of them as tensors (its sequences, their response mask, scores
+and the engine's own log-probs). `Batches.push_weights(timer)` is phase 6, the updated policy into
+the engine. Behind these two calls sit the options that change how a batch is made, not the
+algorithm that trains on it:
+- DAPO's dynamic sampling (Yu et al. 2025, `--filter_groups`): groups whose responses all scored
+  alike carry no advantage, so they are dropped and more prompts generated, in rounds, until B
+  groups vary;
+- GRESO's selective rollout (Zheng et al. 2025, `--skip_all_equal`): skip, before generating, a
+  prompt whose latest groups were all-equal (the filter would likely drop it again);
+- one-step off-policy generation (`--one_step_off_policy`, verl's recipe): the next step's batch is
+  generated in a second thread while this one trains, with the weights from before its update.
 `importance_weights` corrects the update for the engine's sampling distribution (`--rollout_is`);
 `validate` scores greedy (or sampled) responses to the validation prompts, with their dumps.
 """

@@ -37,10 +37,9 @@ class Sample:
     """One generated response."""
 
     token_ids: list[int]  # response tokens, without the prompt
-    # log-prob of each token as sampled: log_softmax(logits / T) (raw logits if
+    # log-prob of each token as sampled: log_softmax(logits / T) (raw logits if greedy); None when
+    # not asked for (vLLM builds a Python object per token for them: it costs throughput)
     logprobs: list[float] | None
-    # greedy); None when not asked for (vLLM builds a Python object per token for them: it costs
-    # throughput)
     finish_reason: str  # "stop" (EOS or a stop token) or "length" (hit max_tokens)
 
 

@@ -3,16 +3,19 @@ the engine's start, logging, timing and performance accounting, the validate / c
 cadence at the end of each step, and the final export.
 
 A train script declares `Args(RunArgs)` with its algorithm's flags, then, in `main`:
-    r = run.start(args, check_args)      # process group, flags, reward function, tokenizer, data,
-                                           steps
-    ...load its models and optimizers...
-    state = r.resume(models, optimizers, schedulers)
-    # the checkpoint's trainer state, {} when fresh
-    engine = r.make_engine(); r.engine_ready(engine, actor)
+
+    r = run.start(args, check_args)  # process group, flags, reward, tokenizer, data, steps
+    ...its models and optimizers...
+    state = r.resume(models, optimizers, schedulers)  # its trainer state, {} when fresh
+    engine = r.make_engine()
+    r.engine_ready(engine, actor)
+    source = batches.Batches(r, engine, actor, state)
     for step in range(r.step + 1, r.total_steps + 1):
         ...phases 1-6...
-        if r.end_step(step, metrics, timer, batch, old_log_probs, batches): break   # 7
-    return r.finish(step, metrics, actor, batches)
+        if r.end_step(step, metrics, timer, batch, old_log_probs, source):  # 7
+            break
+    return r.finish(step, metrics, actor, source)
+
 Nothing here knows an algorithm: what differs between scripts (their models, their trainer state) is
 passed in as values.
 """

@@ -287,43 +287,33 @@ def two_step_run(assets, engine, *extra):
 
 
 @pytest.fixture(scope="module")
-# micro-batches by token budget (same count on both ranks), compiled; the vLLM run
-def hf_run(
-    assets,
-):
-    return two_step_run(
-        assets,
-        "hf",
-        "--use_dynamic_bsz",
-        "--ppo_max_token_len_per_gpu",
-        "300",  # by count, eager
-        "--log_prob_max_token_len_per_gpu",
-        "300",
+def hf_run(assets):
+    """Micro-batches by token budget (the same count on both ranks), compiled; the vLLM run by
+    count, eager."""
+    budget = ["--ppo_max_token_len_per_gpu", "300", "--log_prob_max_token_len_per_gpu", "300"]
+    compiled = [
         "--use_torch_compile",
         "true",
         "--compile_layers",
         "true",
         "--compile_update",
         "true",
-    )
+    ]
+    return two_step_run(assets, "hf", "--use_dynamic_bsz", *budget, *compiled)
 
 
 @pytest.fixture(scope="module")
-# activations recomputed in the update (Hugging Face's checkpointing under FSDP2); every
-def vllm_run(
-    assets,
-):
-    # response written out as text
+def vllm_run(assets):
+    """Activations recomputed in the update (Hugging Face's checkpointing under FSDP2); every
+    response written out as text."""
     dumps = assets["tmp"] / "dumps"
-    return two_step_run(
-        assets,
-        "vllm",
-        "--enable_gradient_checkpointing",
+    dirs = [
         "--rollout_data_dir",
         str(dumps / "rollouts"),
         "--validation_data_dir",
         str(dumps / "val"),
-    )
+    ]
+    return two_step_run(assets, "vllm", "--enable_gradient_checkpointing", *dirs)
 
 
 @pytest.mark.parametrize("run", ["hf_run", "vllm_run"])

@@ -180,47 +180,36 @@ def two_step_run(assets, engine, *extra, name=None):
 
 
 @pytest.fixture(scope="module")
-# micro-batches by token budget (same count on both ranks); the vLLM run by count.
-def hf_run(
-    assets,
-):
-    # Activations recomputed in both updates (Hugging Face's checkpointing under FSDP2)
-    # Every response written out as text
+def hf_run(assets):
+    """Micro-batches by token budget (the same count on both ranks; the vLLM run by count).
+    Activations recomputed in both updates (Hugging Face's checkpointing under FSDP2). Every
+    response written out as text."""
     dumps = assets["tmp"] / "ppo_dumps"
-    return two_step_run(
-        assets,
-        "hf",
-        *TOKEN_BUDGET,
-        "--enable_gradient_checkpointing",
-        "--critic_enable_gradient_checkpointing",
+    checkpointing = ["--enable_gradient_checkpointing", "--critic_enable_gradient_checkpointing"]
+    dirs = [
         "--rollout_data_dir",
         str(dumps / "rollouts"),
         "--validation_data_dir",
         str(dumps / "val"),
-        name="ppo_hf",
-    )
+    ]
+    return two_step_run(assets, "hf", *TOKEN_BUDGET, *checkpointing, *dirs, name="ppo_hf")
 
 
 @pytest.fixture(scope="module")
-# actor, reference and critic compiled, updates too (the hf run stays eager); vLLM
-def vllm_run(
-    assets,
-):
-    # decodes one sequence at a time, the others waiting for its slot; the policy loss weighted by
-    # the engine's log-probs (--rollout_is)
-    return two_step_run(
-        assets,
-        "vllm",
+def vllm_run(assets):
+    """Actor, reference and critic compiled, the updates too (the hf run stays eager); vLLM decodes
+    one sequence at a time, the others waiting for its slot; the policy loss weighted by the
+    engine's log-probs (--rollout_is)."""
+    compiled = [
         "--use_torch_compile",
         "true",
         "--compile_layers",
         "true",
         "--compile_update",
         "true",
-        "--max_num_seqs",
-        "1",
-        "--rollout_is",
-        "sequence",
+    ]
+    return two_step_run(
+        assets, "vllm", *compiled, "--max_num_seqs", "1", "--rollout_is", "sequence"
     )
 
 
