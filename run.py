@@ -24,11 +24,12 @@ import contextlib
 import importlib.util
 import json
 import math
+import operator
 import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 import torch
@@ -45,9 +46,31 @@ from rollout import make_engine
 IMPORTED = time.time()
 
 
-def flag(default, help):
-    """A field of an Args dataclass: the flag's default and its --help text."""
-    return field(default=default, metadata={"help": help})
+def flag(default, help, *, gt=None, ge=None, lt=None, le=None, also=()):
+    """A field of an Args dataclass: the flag's default, its --help text and, for a number, the
+    range `check_ranges` holds it to at start-up (gt, ge, lt, le), with `also` the values outside
+    it that mean something (-1: never, off, all). A number with no bounds must still be finite."""
+    bounds = {k: v for k, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le)) if v is not None}
+    return field(default=default, metadata={"help": help, "bounds": bounds, "also": tuple(also)})
+
+
+BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, ">="), "lt": (operator.lt, "<"),
+          "le": (operator.le, "<=")}  # fmt: skip
+
+
+def check_ranges(args):
+    """Every numeric flag within its range (`flag`'s bounds), naming the flag and the range."""
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # a switch, a string, or a number left unset (None)
+        bounds, also = f.metadata.get("bounds", {}), f.metadata.get("also", ())
+        ok = math.isfinite(value) and all(BOUNDS[k][0](value, v) for k, v in bounds.items())
+        allowed = " and ".join(f"{BOUNDS[k][1]} {v}" for k, v in bounds.items()) or "finite"
+        allowed += "".join(f", or {v}" for v in also)
+        need(
+            ok or value in also, f"--{f.name} {value} must be {allowed} (--help says what it does)"
+        )
 
 
 @dataclass
@@ -59,31 +82,36 @@ class RunArgs:
     model: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local folder")
     train_files: str = flag("~/data/gsm8k/train.parquet", "parquet, comma-separated")
     val_files: str = flag("~/data/gsm8k/test.parquet", "parquet, comma-separated")
-    train_batch_size: int = flag(256, "prompts per step (all ranks)")
-    max_prompt_length: int = flag(512, "tokens, after the chat template")
-    max_response_length: int = flag(1024, "tokens generated at most")
+    train_batch_size: int = flag(256, "prompts per step (all ranks)", ge=1)
+    max_prompt_length: int = flag(512, "tokens, after the chat template", ge=1)
+    max_response_length: int = flag(1024, "tokens generated at most", ge=1)
     filter_overlong_prompts: bool = flag(False, "drop prompts over max_prompt_length")
     truncation: str = flag("error", "overlong prompts when not filtered: error|left|right")
     # rollout
     rollout_engine: str = flag("vllm", "vllm | hf (transformers generate)")
-    temperature: float = flag(1.0, "sampling temperature")
-    top_p: float = flag(1.0, "nucleus sampling")
-    top_k: int = flag(-1, "-1 = off")
-    tensor_model_parallel_size: int = flag(1, "GPUs per vLLM replica")
+    temperature: float = flag(1.0, "sampling temperature", gt=0)
+    top_p: float = flag(1.0, "nucleus sampling", gt=0, le=1)
+    top_k: int = flag(-1, "-1 = off", ge=1, also=(-1,))
+    tensor_model_parallel_size: int = flag(1, "GPUs per vLLM replica", ge=1)
     logprob_check_prompts: int = flag(
         8,
         "prompts per GPU per step whose engine log-probs are checked (rollout/logprob_gap_mean); "
         "-1: all",
+        ge=0,
+        also=(-1,),
     )
-    gpu_memory_utilization: float = flag(0.6, "vLLM's share of GPU memory while awake")
+    gpu_memory_utilization: float = flag(0.6, "vLLM's share of GPU memory while awake", gt=0, le=1)
     max_num_seqs: int = flag(
-        1024, "sequences vLLM decodes at once; the rest of a step's batch waits for free slots"
+        1024,
+        "sequences vLLM decodes at once; the rest of a step's batch waits for free slots",
+        ge=1,
     )
     engines_per_gpu: int = flag(
         1,
         "vLLM engines per GPU, each in a process of its own decoding a share of the sequences: a "
         "small model's generation is bound by vLLM's host work, which K processes share "
         "(docs/benchmarks.md)",
+        ge=1,
     )
     rollout_compile: bool = flag(
         False,
@@ -92,28 +120,32 @@ class RunArgs:
         "generated faster (docs/benchmarks.md)",
     )
     # samples and mini-batches (a script re-declares rollout_n for its reference run)
-    rollout_n: int = flag(5, "responses per prompt (GRPO's group size)")
-    ppo_mini_batch_size: int = flag(64, "prompts per optimizer step (x rollout_n inside)")
-    ppo_epochs: int = flag(1, "passes over each batch")
+    rollout_n: int = flag(5, "responses per prompt (GRPO's group size)", ge=1)
+    ppo_mini_batch_size: int = flag(64, "prompts per optimizer step (x rollout_n inside)", ge=1)
+    ppo_epochs: int = flag(1, "passes over each batch", ge=1)
     # micro-batches: each pass's size, by count or (--use_dynamic_bsz) by token budget
-    ppo_micro_batch_size_per_gpu: int = flag(4, "sequences per forward/backward")
-    log_prob_micro_batch_size_per_gpu: int = flag(8, "sequences per log-prob forward")
+    ppo_micro_batch_size_per_gpu: int = flag(4, "sequences per forward/backward", ge=1)
+    log_prob_micro_batch_size_per_gpu: int = flag(8, "sequences per log-prob forward", ge=1)
     use_dynamic_bsz: bool = flag(
         False,
         "micro-batches by token budget (the *_max_token_len_per_gpu flags) instead of sequence "
         "count",
     )
-    ppo_max_token_len_per_gpu: int = flag(16384, "tokens per forward/backward")
-    log_prob_max_token_len_per_gpu: int = flag(16384, "tokens per log-prob forward")
+    ppo_max_token_len_per_gpu: int = flag(16384, "tokens per forward/backward", ge=1)
+    log_prob_max_token_len_per_gpu: int = flag(16384, "tokens per log-prob forward", ge=1)
     # the learning rate's schedule
-    lr_warmup_steps: int = flag(-1, "-1: use lr_warmup_steps_ratio")
-    lr_warmup_steps_ratio: float = flag(0.0, "warmup as a fraction of all steps")
+    lr_warmup_steps: int = flag(-1, "-1: use lr_warmup_steps_ratio", ge=0, also=(-1,))
+    lr_warmup_steps_ratio: float = flag(0.0, "warmup as a fraction of all steps", ge=0, le=1)
     lr_scheduler_type: str = flag("constant", "constant | cosine (after warmup)")
-    min_lr_ratio: float = flag(0.0, "cosine: the rate it decays to, as a fraction of --actor_lr")
+    min_lr_ratio: float = flag(
+        0.0, "cosine: the rate it decays to, as a fraction of --actor_lr", ge=0, le=1
+    )
     lr_decay_steps_ratio: float = flag(
         1.0,
         "cosine: decay over this last fraction of all steps and hold the rate before it "
         "(warmup-stable-decay); 1: decay from the end of warmup (verl's cosine)",
+        gt=0,
+        le=1,
     )
     # the engine's sampling distribution against the trainer's
     rollout_is: str | None = flag(
@@ -126,24 +158,26 @@ class RunArgs:
         "response. With --top_p or --top_k on, the engine's are of the truncated distribution, so "
         "the weights sit below 1",
     )
-    rollout_is_threshold: float = flag(2.0, "rollout_is: the weights' upper bound")
+    rollout_is_threshold: float = flag(2.0, "rollout_is: the weights' upper bound", ge=1)
     # a step's batch (batches.py): DAPO's dynamic sampling, GRESO's skip, one-step off-policy
     filter_groups: bool = flag(
         False, "DAPO dynamic sampling: drop all-equal groups (--rollout_n > 1)"
     )
     max_num_gen_batches: int = flag(
-        10, "filter_groups: generation rounds per step at most; 0: no limit (verl's meaning)"
+        10, "filter_groups: generation rounds per step at most; 0: no limit (verl's meaning)", ge=0
     )
     gen_batch_size: int = flag(
         0,
         "filter_groups: prompts a generation round takes at most (DAPO: 3 x train_batch_size); "
         "0: train_batch_size",
+        ge=0,
     )
     filter_groups_from_step: int = flag(
         1,
         "filter_groups: the first step that filters; the steps before it train on one batch as "
         "generated (while the reward is still 0 almost everywhere, too few groups vary to fill a "
         "batch)",
+        ge=1,
     )
     skip_all_equal: bool = flag(
         False,
@@ -154,6 +188,8 @@ class RunArgs:
         0.5,
         "skip_all_equal: a prompt whose last z groups in a row scored all-equal is generated "
         "anyway with probability P**z",
+        gt=0,
+        le=1,
     )
     one_step_off_policy: bool = flag(
         False,
@@ -198,18 +234,20 @@ class RunArgs:
     custom_reward_function_name: str = flag("compute_score", "function in that file")
     reward_errors: str = flag("raise", "raise | zero: a failing reward call scores 0")
     # trainer
-    total_epochs: int = flag(15, "passes over the training prompts")
-    total_training_steps: int | None = flag(None, "overrides total_epochs")
-    save_freq: int = flag(-1, "checkpoint every N steps, the last, on a stop (-1: never)")
-    test_freq: int = flag(10, "validate every N steps (-1: never)")
+    total_epochs: int = flag(15, "passes over the training prompts", ge=1)
+    total_training_steps: int | None = flag(None, "overrides total_epochs", ge=1)
+    save_freq: int = flag(
+        -1, "checkpoint every N steps, the last, on a stop (-1: never)", ge=1, also=(-1,)
+    )
+    test_freq: int = flag(10, "validate every N steps (-1: never)", ge=1, also=(-1,))
     val_before_train: bool = flag(True, "validate before the first step")
     val_only: bool = flag(False, "only evaluate --model (or the checkpoint) and exit")
-    val_n: int = flag(1, "val_only: samples per prompt for pass@k (T=val_temperature)")
-    val_temperature: float = flag(1.0, "val_only: temperature of the pass@k samples")
-    max_val_samples: int | None = flag(None, "validate on the first N prompts")
+    val_n: int = flag(1, "val_only: samples per prompt for pass@k (T=val_temperature)", ge=1)
+    val_temperature: float = flag(1.0, "val_only: temperature of the pass@k samples", ge=0)
+    max_val_samples: int | None = flag(None, "validate on the first N prompts", ge=1)
     resume_mode: str = flag("auto", "auto | disable | a global_step_N folder")
     default_local_dir: str | None = flag(None, "default checkpoints/PROJECT/EXPERIMENT")
-    keep_last_checkpoints: int = flag(2, "checkpoints kept on disk")
+    keep_last_checkpoints: int = flag(2, "checkpoints kept on disk", ge=1)
     export_final: bool = flag(True, "write the final policy as a HF folder")
     rollout_data_dir: str | None = flag(
         None, "write the responses each step trains on (text, score) to DIR/STEP.jsonl"
@@ -221,7 +259,7 @@ class RunArgs:
     logger: str = flag("console,jsonl", "comma list of console, jsonl, wandb, tensorboard")
     project_name: str = flag("grpo_gsm8k", "for wandb / tensorboard / folders")
     experiment_name: str = flag("qwen2.5_0.5b", "for wandb / tensorboard / folders")
-    seed: int = flag(1, "model init and data order; sampling uses seed + group")
+    seed: int = flag(1, "model init and data order; sampling uses seed + group", ge=0)
 
 
 def need(ok, msg):
@@ -247,7 +285,7 @@ def check_args(args, world_size):
     )
     need(args.max_num_seqs >= 1, f"--max_num_seqs {args.max_num_seqs} must be at least 1")
     need(
-        world_size % args.tensor_model_parallel_size == 0,
+        args.tensor_model_parallel_size >= 1 and world_size % args.tensor_model_parallel_size == 0,
         f"--tensor_model_parallel_size {args.tensor_model_parallel_size} must divide the number of "
         f"GPUs {world_size}",
     )
@@ -321,6 +359,7 @@ def check_args(args, world_size):
         f"number of GPUs {world_size}",
     )
     check_batch_args(args, world_size)
+    check_ranges(args)  # after the checks above, whose messages say more where they apply
     # param_offload already steps the optimizer on the CPU
     args.optimizer_offload &= not args.param_offload
     args.default_local_dir = args.default_local_dir or os.path.join(

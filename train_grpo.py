@@ -34,12 +34,12 @@ class Args(run.RunArgs):
     run.RunArgs'."""
 
     # the update: PPO's clipped surrogate, the loss aggregation, the KL to the reference
-    actor_lr: float = flag(1e-6, "AdamW learning rate")
-    weight_decay: float = flag(0.01, "AdamW weight decay")
-    grad_clip: float = flag(1.0, "max global gradient norm")
-    clip_ratio_low: float = flag(0.2, "ratio clipped below at 1 - this")
-    clip_ratio_high: float = flag(0.2, "ratio clipped above at 1 + this (DAPO: 0.28)")
-    clip_ratio_c: float = flag(3.0, "dual-clip bound for negative advantages")
+    actor_lr: float = flag(1e-6, "AdamW learning rate", gt=0)
+    weight_decay: float = flag(0.01, "AdamW weight decay", ge=0)
+    grad_clip: float = flag(1.0, "max global gradient norm", gt=0)
+    clip_ratio_low: float = flag(0.2, "ratio clipped below at 1 - this", ge=0, lt=1)
+    clip_ratio_high: float = flag(0.2, "ratio clipped above at 1 + this (DAPO: 0.28)", ge=0)
+    clip_ratio_c: float = flag(3.0, "dual-clip bound for negative advantages", gt=1)
     loss_agg_mode: str = flag(
         "token-mean",
         "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm",
@@ -47,10 +47,10 @@ class Args(run.RunArgs):
     norm_adv_by_std_in_grpo: bool = flag(True, "false = Dr.GRPO")
     entropy_coeff: float = flag(0.0, "entropy bonus")
     use_kl_loss: bool = flag(True, "KL to the reference model in the loss")
-    kl_loss_coef: float | None = flag(None, "default 0.001 when use_kl_loss")
+    kl_loss_coef: float | None = flag(None, "default 0.001 when use_kl_loss", ge=0)
     kl_loss_type: str = flag("low_var_kl", "k1 | k2 | k3 | low_var_kl | abs | mse")
     use_kl_in_reward: bool = flag(False, "subtract kl_coef * KL from the reward")
-    kl_coef: float | None = flag(None, "default 0.001 when use_kl_in_reward")
+    kl_coef: float | None = flag(None, "default 0.001 when use_kl_in_reward", ge=0)
 
 
 # --- math: pure tensor functions, no globals, no I/O ---------------------------------------------

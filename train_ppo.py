@@ -34,56 +34,61 @@ class Args(run.RunArgs):
     run.RunArgs'."""
 
     # the samples
-    rollout_n: int = flag(1, "responses per prompt")
+    rollout_n: int = flag(1, "responses per prompt", ge=1)
     # the actor's update: PPO's clipped surrogate, the loss aggregation, the KL to the reference
-    actor_lr: float = flag(1e-6, "AdamW learning rate")
-    weight_decay: float = flag(0.01, "AdamW weight decay")
-    grad_clip: float = flag(1.0, "max global gradient norm")
-    clip_ratio_low: float = flag(0.2, "ratio clipped below at 1 - this")
-    clip_ratio_high: float = flag(0.2, "ratio clipped above at 1 + this (DAPO: 0.28)")
-    clip_ratio_c: float = flag(3.0, "dual-clip bound for negative advantages")
+    actor_lr: float = flag(1e-6, "AdamW learning rate", gt=0)
+    weight_decay: float = flag(0.01, "AdamW weight decay", ge=0)
+    grad_clip: float = flag(1.0, "max global gradient norm", gt=0)
+    clip_ratio_low: float = flag(0.2, "ratio clipped below at 1 - this", ge=0, lt=1)
+    clip_ratio_high: float = flag(0.2, "ratio clipped above at 1 + this (DAPO: 0.28)", ge=0)
+    clip_ratio_c: float = flag(3.0, "dual-clip bound for negative advantages", gt=1)
     loss_agg_mode: str = flag(
         "token-mean",
         "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm",
     )
     entropy_coeff: float = flag(0.0, "entropy bonus")
     use_kl_loss: bool = flag(False, "KL to the reference model in the loss")
-    kl_loss_coef: float | None = flag(None, "default 0.001 when use_kl_loss")
+    kl_loss_coef: float | None = flag(None, "default 0.001 when use_kl_loss", ge=0)
     kl_loss_type: str = flag("low_var_kl", "k1 | k2 | k3 | low_var_kl | abs | mse")
     use_kl_in_reward: bool = flag(True, "subtract kl_coef * KL from the reward")
-    kl_coef: float | None = flag(None, "default 0.001 when use_kl_in_reward")
+    kl_coef: float | None = flag(None, "default 0.001 when use_kl_in_reward", ge=0)
     kl_penalty: str = flag("kl", "KL-in-reward estimator: kl (= k1) | k2 | k3 | abs | mse")
     kl_ctrl_type: str = flag("fixed", "fixed | adaptive (Ziegler et al. 2019)")
-    kl_target: float = flag(6.0, "adaptive: the KL the coefficient steers toward")
-    kl_horizon: int = flag(10000, "adaptive: sequences over which to correct")
+    kl_target: float = flag(6.0, "adaptive: the KL the coefficient steers toward", gt=0)
+    kl_horizon: int = flag(10000, "adaptive: sequences over which to correct", ge=1)
     # advantages (GAE)
-    gamma: float = flag(1.0, "discount")
-    lam: float = flag(1.0, "GAE lambda")
+    gamma: float = flag(1.0, "discount", ge=0, le=1)
+    lam: float = flag(1.0, "GAE lambda", ge=0, le=1)
     # the critic: a value model on the policy's body, its own optimizer and memory flags
     critic_model: str | None = flag(None, "value model's body; default: --model")
-    critic_lr: float = flag(1e-5, "critic AdamW learning rate (constant)")
-    critic_weight_decay: float = flag(0.01, "critic AdamW weight decay")
+    critic_lr: float = flag(1e-5, "critic AdamW learning rate (constant)", gt=0)
+    critic_weight_decay: float = flag(0.01, "critic AdamW weight decay", ge=0)
     critic_warmup: int = flag(
-        0, "update only the critic for the first N steps (verl's `critic_warmup <= step`: N - 1)"
+        0,
+        "update only the critic for the first N steps (verl's `critic_warmup <= step`: N - 1)",
+        ge=0,
     )
-    critic_ppo_micro_batch_size_per_gpu: int = flag(4, "sequences per critic forward")
+    critic_ppo_micro_batch_size_per_gpu: int = flag(4, "sequences per critic forward", ge=1)
     critic_ppo_max_token_len_per_gpu: int = flag(
-        32768, "tokens per critic forward (with --use_dynamic_bsz)"
+        32768, "tokens per critic forward (with --use_dynamic_bsz)", ge=1
     )
-    critic_grad_clip: float = flag(1.0, "critic's max global gradient norm")
-    cliprange_value: float = flag(0.5, "new values kept within old +- this")
+    critic_grad_clip: float = flag(1.0, "critic's max global gradient norm", gt=0)
+    cliprange_value: float = flag(0.5, "new values kept within old +- this", gt=0)
     vf_coef: float = flag(
         1.0,
         "scales the critic's loss (verl applies it only to a shared actor-critic loss; with its "
         "own optimizer it matters only through --critic_grad_clip)",
+        gt=0,
     )
     critic_enable_gradient_checkpointing: bool = flag(False, "recompute activations")
     critic_param_offload: bool = flag(False, "critic params, grads and optimizer on CPU")
     critic_optimizer_offload: bool = flag(False, "critic optimizer state on CPU")
     # the quickstart's shape and cadence (run.RunArgs' defaults are GRPO's)
-    max_response_length: int = flag(512, "tokens generated at most")
-    gpu_memory_utilization: float = flag(0.4, "vLLM's share of GPU memory while awake")
-    save_freq: int = flag(10, "checkpoint every N steps, the last, on a stop (-1: never)")
+    max_response_length: int = flag(512, "tokens generated at most", ge=1)
+    gpu_memory_utilization: float = flag(0.4, "vLLM's share of GPU memory while awake", gt=0, le=1)
+    save_freq: int = flag(
+        10, "checkpoint every N steps, the last, on a stop (-1: never)", ge=1, also=(-1,)
+    )
     val_before_train: bool = flag(False, "validate before the first step")
     project_name: str = flag("ppo_gsm8k", "for wandb / tensorboard / folders")
 

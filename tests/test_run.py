@@ -4,6 +4,8 @@ the Timer's per-phase peak memory without a sleeping engine's pool, and the Logg
 background loggers.
 """
 
+import dataclasses
+import typing
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import run
+import train_grpo
 import train_ppo
 from bench.tiny import tiny_config
 from run import flops_per_token, lr_lambda
@@ -177,3 +180,64 @@ def test_logger_close_finishes_the_background_loggers(tmp_path):
     logger.tb = SimpleNamespace(close=lambda: calls.append("tensorboard"))
     logger.close()
     assert calls == ["wandb", "tensorboard"]
+
+
+# --- every numeric flag within its range ----------------------------------------------------------
+
+UNBOUNDED = {"entropy_coeff"}  # a negative coefficient is an entropy penalty: any finite number
+
+
+def outside(bound, limit, is_int, also):
+    """A value past `limit` on the wrong side of `bound`, and not one of the values `also` allows
+    (for ge=0 with -1 allowed: -2)."""
+    step = (1 if is_int else 0.5) * (-1 if bound in ("gt", "ge") else 1)
+    value = limit if bound in ("gt", "lt") else limit + step
+    while value in also:
+        value += step
+    return value
+
+
+def number_type(f):
+    """int or float for a numeric field (also when it may be None), else None."""
+    types = typing.get_args(f.type) or (f.type,)
+    return next((t for t in types if t in (int, float)), None)
+
+
+@pytest.mark.parametrize("script", [train_grpo, train_ppo], ids=["grpo", "ppo"])
+def test_every_numeric_flag_is_range_checked_at_start_up(script):
+    """Walks every field of the script's Args: each number has its range (or is known to have
+    none), its default passes, and a value past each bound stops the run naming the flag."""
+    numeric = [f for f in dataclasses.fields(script.Args) if number_type(f)]
+    assert len(numeric) > 40
+
+    def check(**kw):
+        script.check_args(script.Args(default_local_dir="/tmp/unused", **kw), 1)
+
+    check()
+    for f in numeric:
+        bounds, also = f.metadata["bounds"], f.metadata["also"]
+        assert bounds or f.name in UNBOUNDED, f"--{f.name} declares no range"
+        cases = [outside(k, v, number_type(f) is int, also) for k, v in bounds.items()]
+        cases += [float("nan")] if number_type(f) is float else []
+        for value in cases:
+            with pytest.raises(SystemExit, match=f"--{f.name} "):
+                check(**{f.name: value})
+        for value in also:  # the values that mean something pass
+            check(**{f.name: value})
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(grad_clip=-1.0), "--grad_clip -1.0 must be > 0"),
+        (dict(total_training_steps=0), "--total_training_steps 0 must be >= 1"),
+        (dict(temperature=0.0), "--temperature 0.0 must be > 0"),
+        (dict(ppo_mini_batch_size=0), "--ppo_mini_batch_size 0 must be >= 1"),
+        (dict(top_p=1.5), r"--top_p 1.5 must be > 0 and <= 1"),
+        (dict(save_freq=0), "--save_freq 0 must be >= 1, or -1"),
+        (dict(clip_ratio_low=1.0), "--clip_ratio_low 1.0 must be >= 0 and < 1"),
+    ],
+)
+def test_range_messages_by_hand(kw, message):
+    with pytest.raises(SystemExit, match=message):
+        train_grpo.check_args(train_grpo.Args(default_local_dir="/tmp/unused", **kw), 1)
