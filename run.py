@@ -21,12 +21,14 @@ passed in as values.
 """
 
 import contextlib
+import fcntl
 import importlib.util
 import json
 import math
 import operator
 import os
 import random
+import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -50,10 +52,13 @@ def flag(default, help, *, gt=None, ge=None, lt=None, le=None, also=()):
     """A field of an Args dataclass: the flag's default, its --help text and, for a number, the
     range `check_ranges` holds it to at start-up (gt, ge, lt, le), with `also` the values outside
     it that mean something (-1: never, off, all). A number with no bounds must still be finite."""
+    f = field(default=default, metadata={"help": help})  # the parser takes metadata as its kwargs
     bounds = {k: v for k, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le)) if v is not None}
-    return field(default=default, metadata={"help": help, "bounds": bounds, "also": tuple(also)})
+    RANGES[f] = bounds, tuple(also)
+    return f
 
 
+RANGES = {}  # each flag's (bounds, values also allowed), by its dataclass field
 BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, ">="), "lt": (operator.lt, "<"),
           "le": (operator.le, "<=")}  # fmt: skip
 
@@ -64,7 +69,7 @@ def check_ranges(args):
         value = getattr(args, f.name)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue  # a switch, a string, or a number left unset (None)
-        bounds, also = f.metadata.get("bounds", {}), f.metadata.get("also", ())
+        bounds, also = RANGES.get(f, ({}, ()))
         ok = math.isfinite(value) and all(BOUNDS[k][0](value, v) for k, v in bounds.items())
         allowed = " and ".join(f"{BOUNDS[k][1]} {v}" for k, v in bounds.items()) or "finite"
         allowed += "".join(f", or {v}" for v in also)
@@ -515,14 +520,10 @@ class Logger:
 
             self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
 
-    def truncate(self, step):
-        """Drop log lines after `step`: a resumed (or restarted) run rewrites what follows."""
-        if self.on and os.path.exists(self.path):
-            with open(self.path) as f:
-                lines = [line for line in f if json.loads(line)["step"] <= step]
-            with open(self.path + ".tmp", "w") as f:
-                f.writelines(lines)
-            os.replace(self.path + ".tmp", self.path)
+    def resume(self, step, last_row=None):
+        """metrics.jsonl as the run goes on from `step` (rank 0; `repair_metrics`)."""
+        if self.on and "jsonl" in self.kinds:
+            repair_metrics(self.path, step, last_row)
 
     def log(self, metrics, step):
         if not self.on:
@@ -551,6 +552,68 @@ class Logger:
             self.wandb.finish()
         if self.tb:
             self.tb.close()
+
+
+def repair_metrics(path, step, last_row=None):
+    """Make metrics.jsonl hold one row per step up to `step`, where a run goes on from (0: afresh).
+
+    Afresh, an earlier run's file is kept as metrics.jsonl.N (the first free N), not erased.
+    Resumed, the rows after `step` go (the run trains those steps again), so does a torn last row (a
+    crash in the middle of writing it), and `last_row`, the row the checkpoint of `step` kept, is
+    written again when the crash came between the checkpoint and its row. A row that cannot be read
+    elsewhere in the file stops the run, naming the file and the line."""
+    if not os.path.exists(path):
+        rows = []
+    elif step == 0:
+        if os.path.getsize(path):
+            n = next(i for i in range(1, 10**6) if not os.path.exists(f"{path}.{i}"))
+            os.replace(path, f"{path}.{n}")
+            print(f"{path} held an earlier run's metrics: kept as {path}.{n}", flush=True)
+        return
+    else:
+        with open(path) as f:
+            lines = f.read().splitlines()
+        rows = []
+        for i, line in enumerate(lines, 1):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                if i < len(lines):
+                    need(
+                        False, f"{path} line {i} is not a JSON row ({e}): mend or delete that line"
+                    )
+                print(f"{path}: dropped its torn last line {i} (a crash while it was written)")
+        rows = [row for row in rows if row["step"] <= step]
+    if last_row is not None and not any(row["step"] == step for row in rows):
+        rows.append(last_row)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    os.replace(path + ".tmp", path)
+
+
+def lock_folder(folder):
+    """One run per folder at a time: an exclusive lock on FOLDER/.lock for as long as the returned
+    file stays open. The system drops it when the process ends, however it ends, so a killed run
+    leaves none behind."""
+    os.makedirs(folder, exist_ok=True)
+    f = open(os.path.join(folder, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        need(
+            False,
+            f"{folder} is in use by another run ({holder}): wait for it to end, or give this run "
+            "another --default_local_dir / --experiment_name",
+        )
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
 
 
 def flops_per_token(config, seq_len):
@@ -651,13 +714,22 @@ class Run:
             self.step = state["global_step"]
             if self.rank == 0:
                 print(f"resumed from {resume} (step {self.step})", flush=True)
+        self.state = state
         if self.step >= self.total_steps and not args.val_only:
+            if self.rank == 0:
+                path = os.path.join(args.default_local_dir, "metrics.jsonl")
+                repair_metrics(path, self.step, state.get("metrics_row"))
+            final = os.path.join(args.default_local_dir, "hf_model")
+            if args.export_final and not os.path.isdir(final):  # a crash before it was written
+                sharding.export_hf(final, models["actor"], self.tokenizer)
+                if self.rank == 0:
+                    print(f"{resume} had finished its steps; wrote its final policy {final}")
+                return None
             if self.rank == 0:
                 print(
                     f"{os.path.basename(sys.argv[0])}: {resume} already finished {self.step} of "
-                    f"{self.total_steps} "
-                    "steps; nothing to do. Raise --total_training_steps / --total_epochs to train "
-                    "on, or use --resume_mode disable to start over."
+                    f"{self.total_steps} steps; nothing to do. Raise --total_training_steps / "
+                    "--total_epochs to train on, or use --resume_mode disable to start over."
                 )
             return None
         return state
@@ -711,7 +783,7 @@ class Run:
             )
         self.engine = engine
         self.logger = Logger(args, args.default_local_dir)
-        self.logger.truncate(self.step - 1 if self.step == 0 else self.step)
+        self.logger.resume(self.step, self.state.get("metrics_row"))
         if args.val_only:
             return
         if args.val_before_train and self.val is not None and self.step == 0:
@@ -793,7 +865,10 @@ class Run:
                     self.models,
                     self.optimizers,
                     self.schedulers,
-                    source.position() | (trainer_state or {}),
+                    # the step's row too: a crash before it reaches metrics.jsonl loses nothing
+                    source.position()
+                    | (trainer_state or {})
+                    | {"metrics_row": {"step": step, **metrics}},
                     keep_last=args.keep_last_checkpoints,
                 )
             # one during the checkpoint: the run stops now, the checkpoint holds this step
@@ -841,6 +916,7 @@ def start(args, check_args):
     disable) in a folder that holds another run's checkpoints."""
     rank, world, device = init_distributed()
     check_args(args, world)
+    lock = lock_folder(args.default_local_dir) if rank == 0 else None
     if args.resume_mode == "disable" and sharding.list_checkpoints(args.default_local_dir):
         # a fresh run there would interleave its checkpoints with the old ones (and prune its own)
         need(
@@ -881,7 +957,9 @@ def start(args, check_args):
         )
     steps_per_epoch = len(train) // args.train_batch_size if train else 0
     total_steps = args.total_training_steps or steps_per_epoch * args.total_epochs
-    return Run(args, rank, world, device, reward_fn, tokenizer, train, val, total_steps)
+    run = Run(args, rank, world, device, reward_fn, tokenizer, train, val, total_steps)
+    run.lock = lock  # held until the run ends
+    return run
 
 
 def launch(main, Args):

@@ -5,12 +5,14 @@ background loggers.
 """
 
 import dataclasses
+import json
+import os
 import typing
 from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, HfArgumentParser
 
 import run
 import train_grpo
@@ -215,7 +217,7 @@ def test_every_numeric_flag_is_range_checked_at_start_up(script):
 
     check()
     for f in numeric:
-        bounds, also = f.metadata["bounds"], f.metadata["also"]
+        bounds, also = run.RANGES[f]
         assert bounds or f.name in UNBOUNDED, f"--{f.name} declares no range"
         cases = [outside(k, v, number_type(f) is int, also) for k, v in bounds.items()]
         cases += [float("nan")] if number_type(f) is float else []
@@ -241,3 +243,53 @@ def test_every_numeric_flag_is_range_checked_at_start_up(script):
 def test_range_messages_by_hand(kw, message):
     with pytest.raises(SystemExit, match=message):
         train_grpo.check_args(train_grpo.Args(default_local_dir="/tmp/unused", **kw), 1)
+
+
+# --- what a run leaves behind: metrics.jsonl, the folder's lock -----------------------------------
+
+
+def write_rows(path, rows, tail=""):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+
+
+def test_repair_metrics_keeps_one_row_per_step_across_crashes(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "x": float(s)} for s in range(4)]
+    # resumed from step 2's checkpoint: steps 3 on go, and a torn last line (a crash mid-append) too
+    write_rows(path, rows, tail='{"step": 4, "x": 4.')
+    run.repair_metrics(str(path), 2)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:3]
+    assert "dropped its torn last line 5" in capsys.readouterr().out
+    # a crash between step 3's checkpoint and its row: the checkpoint's row is written again
+    run.repair_metrics(str(path), 3, last_row=rows[3])
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows
+    run.repair_metrics(str(path), 3, last_row={"step": 3, "x": -1.0})  # the row is there: kept
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows
+
+
+def test_repair_metrics_names_a_damaged_row_and_keeps_an_earlier_run(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    write_rows(path, [{"step": 1}], tail='{"step": 2, oops}\n{"step": 3}\n')
+    with pytest.raises(SystemExit, match=r"metrics.jsonl line 2 is not a JSON row"):
+        run.repair_metrics(str(path), 3)
+    # a fresh run in a folder that holds another run's metrics keeps them beside its own
+    write_rows(path, [{"step": 0}, {"step": 1}])
+    (tmp_path / "metrics.jsonl.1").write_text("taken\n")
+    run.repair_metrics(str(path), 0)
+    assert not path.exists() and (tmp_path / "metrics.jsonl.2").read_text().count("step") == 2
+    assert "kept as" in capsys.readouterr().out
+
+
+def test_one_run_per_folder(tmp_path):
+    held = run.lock_folder(str(tmp_path / "run"))
+    with pytest.raises(SystemExit, match=rf"run is in use by another run \(pid {os.getpid()} on "):
+        run.lock_folder(str(tmp_path / "run"))
+    held.close()  # the run ends (a killed process's lock goes with it): the folder is free
+    run.lock_folder(str(tmp_path / "run")).close()
+
+
+@pytest.mark.parametrize("script", [train_grpo, train_ppo], ids=["grpo", "ppo"])
+def test_the_command_line_parses_every_flag(script):
+    """The flags as torchrun passes them: every field a flag of its own, with its default."""
+    (args,) = HfArgumentParser(script.Args).parse_args_into_dataclasses(["--grad_clip", "0.5"])
+    assert args.grad_clip == 0.5 and args == script.Args(grad_clip=0.5)

@@ -11,6 +11,7 @@ model scores unevenly, so groups differ and advantages are non-zero.
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import run
 import sharding
 from bench.tiny import make_tiny_model
 from tests.tiny_model import free_port
@@ -598,6 +600,32 @@ def test_resuming_a_finished_run_does_nothing(assets, hf_run):
     assert "step:1" not in proc.output and "done:" not in proc.output  # no training, no export
     assert (hf_run / "metrics.jsonl").read_text() == before
     assert sorted(os.listdir(hf_run)) == checkpoints
+
+
+def test_a_finished_run_writes_what_a_crash_left_unwritten(assets, hf_run):
+    """A crash after the last checkpoint: before its metrics row reached metrics.jsonl (torn while
+    written) and before the final policy was exported. The same command writes both, and trains
+    nothing."""
+    out = assets["tmp"] / "crashed_at_the_end"
+    shutil.copytree(hf_run, out, ignore=shutil.ignore_patterns("hf_model", ".lock"))
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join(rows[:-1]) + "\n" + rows[-1][:40])
+    proc = launch(flags(assets, out, "hf", 2, "auto"))
+    assert proc.returncode == 0, proc.output[-6000:]
+    assert "step:1" not in proc.output and "wrote its final policy" in proc.output
+    restored = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    whole = [json.loads(line) for line in rows]
+    # the checkpoint kept step 2's row as it stood before the checkpoint was timed
+    assert restored[:-1] == whole[:-1] and restored[-1]["step"] == 2
+    assert restored[-1] == {k: v for k, v in whole[-1].items() if k != "timing_s/save_checkpoint"}
+    assert sorted(os.listdir(out / "hf_model")) == sorted(os.listdir(hf_run / "hf_model"))
+
+
+def test_a_second_run_in_the_same_folder_is_refused(assets, tmp_path):
+    held = run.lock_folder(str(tmp_path / "busy"))  # as a run in progress holds it
+    (proc,) = launch_forked([flags(assets, tmp_path / "busy", "hf", 2)])
+    held.close()
+    assert proc.returncode == 1 and "is in use by another run" in proc.output, proc.output[-3000:]
 
 
 def test_val_only_scores_the_base_model_and_a_checkpoint(assets, hf_run):
