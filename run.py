@@ -703,17 +703,32 @@ class Run:
         run has already finished its steps."""
         args = self.args
         self.models, self.optimizers, self.schedulers = models, optimizers, schedulers
-        resume = (
-            sharding.latest_checkpoint(args.default_local_dir)
-            if args.resume_mode == "auto"
-            else (None if args.resume_mode == "disable" else args.resume_mode)
-        )
-        state = {}
-        if resume:
-            state = sharding.load_checkpoint(resume, models, optimizers, schedulers)
+        # --resume_mode auto: the newest checkpoint that can be read, saying which could not
+        if args.resume_mode == "auto":
+            steps = reversed(sharding.list_checkpoints(args.default_local_dir))
+            candidates = [os.path.join(args.default_local_dir, f"global_step_{s}") for s in steps]
+        else:
+            candidates = [] if args.resume_mode == "disable" else [args.resume_mode]
+        # the optimizers' settings as the command line made them (a checkpoint's would replace them)
+        settings = {
+            role: [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            for role, opt in optimizers.items()
+        }
+        state, resume = {}, None
+        for i, resume in enumerate(candidates):
+            try:
+                state = sharding.load_checkpoint(resume, models, optimizers, schedulers)
+                break
+            except sharding.CheckpointError as e:
+                what = "Resume from another global_step_N (--resume_mode PATH), or start over"
+                need(i + 1 < len(candidates), f"{e}. {what} with --resume_mode disable")
+                if self.rank == 0:
+                    print(f"{e}; resuming from the checkpoint before it", flush=True)
+        if state:
             self.step = state["global_step"]
             if self.rank == 0:
                 print(f"resumed from {resume} (step {self.step})", flush=True)
+            self.apply_flags(state.get("args", {}), optimizers, schedulers, settings)
         self.state = state
         if self.step >= self.total_steps and not args.val_only:
             if self.rank == 0:
@@ -733,6 +748,32 @@ class Run:
                 )
             return None
         return state
+
+    def apply_flags(self, saved, optimizers, schedulers, settings):
+        """A resume whose flags differ from the checkpoint's run (`saved`): say which, and let the
+        command line's values win, the optimizers' too (`settings`: their groups as built before
+        the checkpoint loaded, whose learning rate and weight decay would replace them)."""
+        ignored = {
+            "resume_mode",
+            "total_training_steps",
+            "total_epochs",
+        }  # how far to go, from where
+        now = asdict(self.args)
+        changed = {k: (v, now[k]) for k, v in saved.items() if k in now and v != now[k]}
+        changed = {k: v for k, v in changed.items() if k not in ignored}
+        if changed and self.rank == 0:
+            what = ", ".join(f"--{k} {old} -> {new}" for k, (old, new) in sorted(changed.items()))
+            print(f"resumed with other flags than the checkpoint's run: {what}; the command line's "
+                  "values apply", flush=True)  # fmt: skip
+        for role, opt in optimizers.items():
+            for g, built in zip(opt.param_groups, settings[role]):
+                g.update(built)
+            s = schedulers.get(role)  # LambdaLR: lr = initial_lr x its factor at the step reached
+            if s is not None:
+                s.base_lrs = [g["initial_lr"] for g in opt.param_groups]
+                for g, base, factor in zip(opt.param_groups, s.base_lrs, s.lr_lambdas):
+                    g["lr"] = base * factor(s.last_epoch)
+                s._last_lr = [g["lr"] for g in opt.param_groups]
 
     def make_engine(self):
         """The rollout engine (--rollout_engine, --engines_per_gpu), with dummy weights until
@@ -868,7 +909,7 @@ class Run:
                     # the step's row too: a crash before it reaches metrics.jsonl loses nothing
                     source.position()
                     | (trainer_state or {})
-                    | {"metrics_row": {"step": step, **metrics}},
+                    | {"metrics_row": {"step": step, **metrics}, "args": asdict(args)},
                     keep_last=args.keep_last_checkpoints,
                 )
             # one during the checkpoint: the run stops now, the checkpoint holds this step

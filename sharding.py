@@ -1081,6 +1081,10 @@ def save_checkpoint(
     return final
 
 
+class CheckpointError(Exception):
+    """A checkpoint that cannot be read: the message names it and what failed."""
+
+
 def load_checkpoint(
     path: str,
     models: dict[str, torch.nn.Module],
@@ -1088,28 +1092,34 @@ def load_checkpoint(
     schedulers: dict | None = None,
 ) -> dict:
     """Load a checkpoint written by `save_checkpoint` (at any world size); returns the trainer
-    state."""
+    state. One that cannot be read (truncated, damaged, of other models) raises CheckpointError;
+    what it loaded so far is overwritten by the next checkpoint loaded."""
     if not os.path.exists(os.path.join(path, "COMPLETE")):
         raise FileNotFoundError(
             f"{path} is not a complete checkpoint (no COMPLETE marker); pick another "
             f"global_step_N or start fresh with --resume_mode disable"
         )
-    state = {f"model.{k}": get_model_state_dict(m) for k, m in models.items()}
-    for k, opt in (optimizers or {}).items():
-        state[f"optim.{k}"] = get_optimizer_state_dict(models[k], opt)
-    dcp.load(state, checkpoint_id=path)
+    try:  # the small files first: a damaged one fails before any weight is touched
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            trainer_state = json.load(f)
+        extra = torch.load(os.path.join(path, "schedulers.pt"), weights_only=False)
+        state = {f"model.{k}": get_model_state_dict(m) for k, m in models.items()}
+        for k, opt in (optimizers or {}).items():
+            state[f"optim.{k}"] = get_optimizer_state_dict(models[k], opt)
+        dcp.load(state, checkpoint_id=path)
+    # the reader's own message rarely names the checkpoint (and dcp's error is a BaseException)
+    except (Exception, dcp.api.CheckpointException) as e:
+        raise CheckpointError(f"{path} cannot be read: {type(e).__name__}: {e}") from e
     for k, m in models.items():
         set_model_state_dict(m, state[f"model.{k}"])
     for k, opt in (optimizers or {}).items():
         set_optimizer_state_dict(models[k], opt, state[f"optim.{k}"])
-    extra = torch.load(os.path.join(path, "schedulers.pt"), weights_only=False)
     for k, s in (schedulers or {}).items():
         s.load_state_dict(extra["schedulers"][k])
     rng_file = os.path.join(path, f"rng_rank{rank()}.pt")
     if os.path.exists(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        return json.load(f)
+    return trainer_state
 
 
 # --------------------------------------------------------------------------- export

@@ -621,6 +621,31 @@ def test_a_finished_run_writes_what_a_crash_left_unwritten(assets, hf_run):
     assert sorted(os.listdir(out / "hf_model")) == sorted(os.listdir(hf_run / "hf_model"))
 
 
+def test_a_damaged_checkpoint_is_named_and_auto_resumes_from_the_one_before(assets, hf_run):
+    """The newest checkpoint's metadata truncated (a disk that filled up, a copy cut short):
+    --resume_mode auto says so and resumes from the one before, with a changed --actor_lr that it
+    names and applies; pointed at the damaged one, the run stops naming it."""
+    out = assets["tmp"] / "damaged"
+    shutil.copytree(hf_run, out, ignore=shutil.ignore_patterns("hf_model", ".lock"))
+    metadata = out / "global_step_2" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:64])
+    more = ["--export_final", "false", "--actor_lr", str(2 * LR)]
+    # pointed at the damaged one first (the run that resumes writes a new global_step_2)
+    runs = [
+        flags(assets, out, "hf", 3, str(metadata.parent)),
+        flags(assets, out, "hf", 3, "auto", *more),
+    ]
+    named, auto = launch_forked(runs)
+    assert auto.returncode == 0, auto.output[-6000:]
+    assert "global_step_2 cannot be read" in auto.output
+    assert "resuming from the checkpoint before it" in auto.output
+    assert f"--actor_lr {LR} -> {2 * LR}" in auto.output
+    m = metrics_by_step(out)
+    assert [m[s]["actor/lr"] for s in (2, 3)] == [2 * LR, 2 * LR]  # warmed up: the new rate in full
+    assert named.returncode == 1 and "global_step_2 cannot be read" in named.output
+    assert "--resume_mode disable" in named.output
+
+
 def test_a_second_run_in_the_same_folder_is_refused(assets, tmp_path):
     held = run.lock_folder(str(tmp_path / "busy"))  # as a run in progress holds it
     (proc,) = launch_forked([flags(assets, tmp_path / "busy", "hf", 2)])
