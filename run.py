@@ -32,6 +32,7 @@ import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -951,12 +952,37 @@ class Run:
         return metrics
 
 
+def check_paths(args):
+    """Folders and models that cannot serve, named before anything loads."""
+    here = os.path.abspath(args.default_local_dir)
+    blocked = next((p for p in [here, *Path(here).parents] if os.path.isfile(p)), None)
+    need(
+        blocked is None,
+        f"--default_local_dir {args.default_local_dir}: {blocked} is a file, not a folder; give a "
+        "folder for the checkpoints and metrics",
+    )
+    model = os.path.expanduser(args.model)
+    if os.path.isdir(model):  # a local folder, not a hub id
+        files = set(os.listdir(model))
+        need(
+            "config.json" in files,
+            f"--model {args.model} has no config.json: give a Hugging Face model folder "
+            "(config.json, the weights, the tokenizer's files) or a hub id",
+        )
+        need(
+            bool(files & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"}),
+            f"--model {args.model} has no tokenizer files (tokenizer.json, tokenizer_config.json): "
+            "save the tokenizer beside the model",
+        )
+
+
 def start(args, check_args):
     """Start a run: the process group, the flags checked (the script's `check_args`), the reward
     function, seeds, tokenizer, data and the number of steps. Refuses a fresh run (--resume_mode
     disable) in a folder that holds another run's checkpoints."""
     rank, world, device = init_distributed()
     check_args(args, world)
+    check_paths(args)
     lock = lock_folder(args.default_local_dir) if rank == 0 else None
     if args.resume_mode == "disable" and sharding.list_checkpoints(args.default_local_dir):
         # a fresh run there would interleave its checkpoints with the old ones (and prune its own)

@@ -14,6 +14,7 @@ Each row needs (other columns are ignored):
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
@@ -85,7 +86,13 @@ def _read(path, prompt_key):
         raise FileNotFoundError(
             f"data file {path} does not exist; make it with e.g. python data/gsm8k.py"
         )
-    columns = pq.read_schema(path).names
+    try:
+        columns = pq.read_schema(path).names
+    except (pa.ArrowException, OSError) as e:  # a CSV, an empty or a truncated file
+        raise ValueError(
+            f"{path} is not a readable parquet file ({e}); give parquet in verl's format, "
+            "e.g. made by data/gsm8k.py"
+        ) from e
     for name in (*REQUIRED, prompt_key):
         if name not in columns:
             raise ValueError(
@@ -93,7 +100,10 @@ def _read(path, prompt_key):
                 "(data_source, prompt, reward_model, extra_info), see data/gsm8k.py"
             )
     wanted = [*REQUIRED, prompt_key] + (["extra_info"] if "extra_info" in columns else [])
-    table = pq.read_table(path, columns=wanted)
+    try:
+        table = pq.read_table(path, columns=wanted)
+    except (pa.ArrowException, OSError) as e:  # its schema reads, its data does not
+        raise ValueError(f"{path}: its rows cannot be read ({e}); write the file again") from e
     data = {name: table.column(name).to_pylist() for name in wanted}
     rows = []
     for i in range(table.num_rows):

@@ -393,3 +393,14 @@ def test_prompt_order_moves_past_what_rounds_use_and_drops_an_epochs_short_rest(
         taken.append(whole.peek(4))
         whole.advance(4)
     assert taken == batch_order(10, 4, 0, 1) + batch_order(10, 4, 1, 1)
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "csv"])
+def test_a_file_that_is_not_parquet_is_named(tmp_path, tokenizer, damage):
+    path = write_rows(tmp_path / "train.parquet", [good_row()])
+    data = path.read_bytes()
+    path.write_bytes(
+        {"empty": b"", "truncated": data[: len(data) // 2], "csv": b"a,b\n1,2\n"}[damage]
+    )
+    with pytest.raises(ValueError, match=r"train.parquet is not a readable parquet file"):
+        load_rl_dataset(path, tokenizer, 64)

@@ -703,6 +703,9 @@ BAD_INPUT = [
     "token_budget",
     "compile_update",
     "dump_dir_is_a_file",
+    "train_file_is_csv",
+    "model_without_config",
+    "checkpoints_under_a_file",
 ]
 
 
@@ -731,6 +734,19 @@ def bad_input(assets, case):
         write_parquet_without(assets["data"] / "train.parquet", bad, "reward_model")
         args[args.index("--train_files") + 1] = str(bad)
         expected = [str(bad), "no column 'reward_model'"]
+    elif case == "train_file_is_csv":
+        bad = assets["tmp"] / "train.csv"
+        bad.write_text("question,answer\n1+1,2\n")
+        args[args.index("--train_files") + 1] = str(bad)
+        expected = [f"{bad} is not a readable parquet file"]
+    elif case == "model_without_config":
+        bad = assets["tmp"] / "model_without_config"
+        shutil.copytree(assets["model"], bad, ignore=shutil.ignore_patterns("config.json"))
+        args[args.index("--model") + 1] = str(bad)
+        expected = [f"--model {bad} has no config.json"]
+    elif case == "checkpoints_under_a_file":
+        args[args.index("--default_local_dir") + 1] = str(assets["reward"] / "run")
+        expected = [f"{assets['reward']} is a file, not a folder"]
     else:
         missing = assets["tmp"] / "no_such_reward.py"
         args[args.index("--custom_reward_function_path") + 1] = str(missing)
