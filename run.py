@@ -695,6 +695,7 @@ class Run:
             total_steps,
         )
         self.step, self.models, self.optimizers, self.schedulers = 0, {}, {}, {}
+        self.state, self.last_row = {}, None
         self.engine, self.logger, self.stop, self.bar, self.stopping = None, None, None, None, False
 
     def resume(self, models, optimizers, schedulers):
@@ -731,10 +732,15 @@ class Run:
                 print(f"resumed from {resume} (step {self.step})", flush=True)
             self.apply_flags(state.get("args", {}), optimizers, schedulers, settings)
         self.state = state
+        # the checkpoint's own metrics row, for a metrics.jsonl that lost it: only in its own folder
+        # (a run resumed from another run's checkpoint starts its log at the step after it)
+        folder = os.path.dirname(os.path.normpath(resume)) if resume else None
+        here = folder is not None and os.path.samefile(folder, args.default_local_dir)
+        self.last_row = state.get("metrics_row") if here else None
         if self.step >= self.total_steps and not args.val_only:
             if self.rank == 0:
                 path = os.path.join(args.default_local_dir, "metrics.jsonl")
-                repair_metrics(path, self.step, state.get("metrics_row"))
+                repair_metrics(path, self.step, self.last_row)
             final = os.path.join(args.default_local_dir, "hf_model")
             if args.export_final and not os.path.isdir(final):  # a crash before it was written
                 sharding.export_hf(final, models["actor"], self.tokenizer)
@@ -825,7 +831,7 @@ class Run:
             )
         self.engine = engine
         self.logger = Logger(args, args.default_local_dir)
-        self.logger.resume(self.step, self.state.get("metrics_row"))
+        self.logger.resume(self.step, self.last_row)
         if args.val_only:
             return
         if args.val_before_train and self.val is not None and self.step == 0:
