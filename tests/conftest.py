@@ -9,18 +9,21 @@ if ROOT not in sys.path:
 
 # `make test` runs the test files on two workers (pytest-xdist, --dist loadfile
 # --no-loadscope-reorder), handing out whole files in the order collected. The files that launch the
-# train scripts take minutes each: they go first, longest first (seconds of one worker on 2 cores,
-# 2026-12-01: 350, 280, 190, 180, 130, 100, 100, 70), and the quick files fill in at the end, so the
-# two workers finish close together.
+# train scripts (or torchrun) take minutes each: they go first, longest first, and the quick files
+# fill in at the end, so the two workers finish close together.
 SLOW_FIRST = [
     "test_train_grpo.py",
     "test_train_ppo.py",
     "test_engine_pool.py",
     "test_train_grpo_filter.py",
     "test_bench.py",
+    "test_sharding.py",
     "test_train_grpo_off_policy.py",
+    "test_compile_ahead.py",
     "test_engine.py",
+    "test_fork.py",
     "test_gpu_scripts.py",
+    "test_demo.py",
 ]
 
 
