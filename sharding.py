@@ -843,9 +843,15 @@ def load_critic(path, device, args):
     return model
 
 
-def clip_and_step(model, optimizer, max_norm, step, lr_flag):
-    """Clip the global gradient norm and step; a non-finite norm stops the run before the update, so
-    the last checkpoint stays the last good state. Returns the norm before clipping."""
+def clip_and_step(model, optimizer, loss, max_norm, step, lr_flag):
+    """Clip the global gradient norm and step; a non-finite loss (the mini-batch's, summed over its
+    micro-batches) or gradient norm stops the run before the update, so the last checkpoint stays
+    the last good state. Returns the norm before clipping."""
+    if not torch.isfinite(loss):
+        raise FloatingPointError(
+            f"step {step}: non-finite loss {loss.item()}; stopping before the update (the last "
+            f"checkpoint is untouched). Lower {lr_flag} or check the data."
+        )
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     if not torch.isfinite(grad_norm):

@@ -174,6 +174,8 @@ def update_actor(
     # train mode for the update only, as verl: Hugging Face's gradient checkpointing (and dropout,
     # where a model has any) act only in it; the log-prob passes and validation run in eval mode
     actor.train()
+    if args.optimizer_offload:  # AdamW's state on the GPU for the update only
+        sharding.move_optimizer_state(optimizer, device)
     world = dist.get_world_size()
     mini = args.ppo_mini_batch_size * args.rollout_n // world  # sequences a rank, an optimizer step
     micro = args.ppo_micro_batch_size_per_gpu
@@ -216,16 +218,15 @@ def update_actor(
                 sums["pg_loss"] += pg_loss.detach()
                 for k, v in stats.items():
                     sums[k] += v / tokens
-            if not torch.isfinite(mini_loss):
-                raise FloatingPointError(
-                    f"step {step}: non-finite loss {mini_loss.item()}; stopping before the update "
-                    "(the last checkpoint is untouched). Lower --actor_lr or check the data."
-                )
-            norm = sharding.clip_and_step(actor, optimizer, args.grad_clip, step, "--actor_lr")
+            norm = sharding.clip_and_step(
+                actor, optimizer, mini_loss, args.grad_clip, step, "--actor_lr"
+            )
             grad_norms.append(norm)
     totals = sharding.all_sum(*(v.item() for v in sums.values()), device=device)
     metrics = {f"actor/{k}": v / len(grad_norms) for k, v in zip(sums, totals)}
     metrics["actor/grad_norm"] = float(np.mean(grad_norms))
+    if args.optimizer_offload:
+        sharding.move_optimizer_state(optimizer, "cpu")
     actor.eval()
     return metrics
 
@@ -235,14 +236,15 @@ def update_actor(
 
 def check_args(args, world_size):
     """Fail at start-up, naming the flag, before anything heavy loads (the shared flags:
-    run.check_args); fill in the KL coefficients' defaults."""
+    run.check_args); fill in the defaults that depend on other flags."""
     run.check_args(args, world_size)
-    run.need(args.rollout_n > 1, "--rollout_n must be > 1: GRPO compares responses within a group")
-    run.need(
+    need = run.need
+    need(args.rollout_n > 1, "--rollout_n must be > 1: GRPO compares responses within a group")
+    need(
         args.kl_loss_coef is None or args.use_kl_loss,
         "--kl_loss_coef is set but --use_kl_loss is false",
     )
-    run.need(
+    need(
         args.kl_coef is None or args.use_kl_in_reward,
         "--kl_coef is set but --use_kl_in_reward is false",
     )
@@ -265,7 +267,8 @@ def main(args):
         ref = sharding.load_policy(args.model, device, False, args.ref_param_offload, args)
     optimizer = torch.optim.AdamW(actor.parameters(), args.actor_lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, run.lr_lambda(args, r.total_steps))
-    state = r.resume({"actor": actor}, {"actor": optimizer}, {"actor": scheduler})
+    models, optimizers, schedulers = {"actor": actor}, {"actor": optimizer}, {"actor": scheduler}
+    state = r.resume(models, optimizers, schedulers)
     if state is None:  # that run has finished its steps
         return
     # the engine, which generates with the actor's weights (a pool of engines starts in processes of
@@ -321,14 +324,10 @@ def main(args):
             # 5 update: mini-batches x epochs, micro-batch gradients accumulated, a global mean
             with timer("update_actor"):
                 metrics["actor/lr"] = scheduler.get_last_lr()[0]  # this update's rate
-                if args.optimizer_offload:
-                    sharding.move_optimizer_state(optimizer, device)
                 kl_ref = ref_log_probs if args.use_kl_loss else None  # the KL loss's reference
                 data = samples, old_log_probs, kl_ref, advantages, response_mask
                 metrics |= update_actor(actor, optimizer, *data, args, step, device, is_weights)
                 scheduler.step()
-                if args.optimizer_offload:
-                    sharding.move_optimizer_state(optimizer, "cpu")
 
             # 6 push the new weights into the engine: FSDP2 shards -> full tensors -> vLLM's loaders
             optimizer.zero_grad(set_to_none=True)

@@ -63,23 +63,12 @@ class Args(run.RunArgs):
     critic_model: str | None = flag(None, "value model's body; default: --model")
     critic_lr: float = flag(1e-5, "critic AdamW learning rate (constant)", gt=0)
     critic_weight_decay: float = flag(0.01, "critic AdamW weight decay", ge=0)
-    critic_warmup: int = flag(
-        0,
-        "update only the critic for the first N steps (verl's `critic_warmup <= step`: N - 1)",
-        ge=0,
-    )
+    critic_warmup: int = flag(0, "the first N steps update only the critic (verl's: N - 1)", ge=0)
     critic_ppo_micro_batch_size_per_gpu: int = flag(4, "sequences per critic forward", ge=1)
-    critic_ppo_max_token_len_per_gpu: int = flag(
-        32768, "tokens per critic forward (with --use_dynamic_bsz)", ge=1
-    )
+    critic_ppo_max_token_len_per_gpu: int = flag(32768, "critic's, --use_dynamic_bsz", ge=1)
     critic_grad_clip: float = flag(1.0, "critic's max global gradient norm", gt=0)
     cliprange_value: float = flag(0.5, "new values kept within old +- this", gt=0)
-    vf_coef: float = flag(
-        1.0,
-        "scales the critic's loss (verl applies it only to a shared actor-critic loss; with its "
-        "own optimizer it matters only through --critic_grad_clip)",
-        gt=0,
-    )
+    vf_coef: float = flag(1.0, "scales the critic's loss (acts via --critic_grad_clip)", gt=0)
     critic_enable_gradient_checkpointing: bool = flag(False, "recompute activations")
     critic_param_offload: bool = flag(False, "critic params, grads and optimizer on CPU")
     critic_optimizer_offload: bool = flag(False, "critic optimizer state on CPU")
@@ -191,40 +180,22 @@ def compute_policy_loss(
     return pg_losses, stats
 
 
-def compute_value_loss(
-    vpreds,
-    values,
-    returns,
-    response_mask,
-    cliprange_value,
-    loss_agg_mode,
-    num_tokens,
-    num_seqs,
-    max_response_length,
-):
-    """Clipped value loss (PPO2's `cliprange_value`, as verl's compute_value_loss), aggregated
-    globally.
+def compute_value_loss(vpreds, values, returns, response_mask, cliprange_value):
+    """Per-token clipped value loss (N, T) (PPO2's `cliprange_value`, as verl's compute_value_loss):
 
       vpredclipped = values + clip(vpreds - values, -c, c)
-      vf_loss = 0.5 * agg(max((vpreds - returns)^2, (vpredclipped - returns)^2))
+      vf_losses = 0.5 * max((vpreds - returns)^2, (vpredclipped - returns)^2)
 
     The max makes the loss pessimistic: a prediction may not move more than c from the old value to
-    lower it. vpreds (new), values (old, from the same rollout), returns: (N, T). Returns the scalar
-    vf_loss and the sum over response tokens of vf_clipfrac (the clipped term was the larger one);
-    the caller divides by the global token count, as for the policy loss.
+    lower it. vpreds (new), values (old, from the same rollout), returns: (N, T). Returns vf_losses
+    (N, T), which the caller aggregates with agg_loss as the policy's, and the sum over response
+    tokens of vf_clipfrac (the clipped term was the larger one).
     """
     vpredclipped = values + (vpreds - values).clamp(-cliprange_value, cliprange_value)
     vf_losses1 = (vpreds - returns).square()
     vf_losses2 = (vpredclipped - returns).square()
-    vf_loss = 0.5 * agg_loss(
-        torch.max(vf_losses1, vf_losses2),
-        response_mask,
-        loss_agg_mode,
-        num_tokens,
-        num_seqs,
-        max_response_length,
-    )
-    return vf_loss, {"vf_clipfrac": ((vf_losses2 > vf_losses1) & response_mask.bool()).sum()}
+    clipped = (vf_losses2 > vf_losses1) & response_mask.bool()
+    return 0.5 * torch.max(vf_losses1, vf_losses2), {"vf_clipfrac": clipped.sum()}
 
 
 def explained_variance(returns, values, response_mask):
@@ -255,30 +226,16 @@ def kl_penalty(log_probs, ref_log_probs, kl_type):
     raise ValueError(f"--kl_loss_type {kl_type!r} is not one of k1, k2, k3, low_var_kl, abs, mse")
 
 
-class FixedKLController:
-    """beta stays at its initial value."""
-
-    def __init__(self, kl_coef):
-        self.value = kl_coef
-
-    def update(self, current_kl, n_steps):
-        pass
-
-
-class AdaptiveKLController:
-    """beta steered toward a target KL (Ziegler et al. 2019, sec. 2.2):
+def adaptive_kl_coef(beta, current_kl, n_steps, target, horizon):
+    """The adaptive KL controller (Ziegler et al. 2019, sec. 2.2; verl's AdaptiveKLController)
+    steers beta toward a target KL; with --kl_ctrl_type fixed, beta stays as it is:
 
       e = clip(KL / target - 1, -0.2, 0.2),   beta <- beta * (1 + e * n_steps / horizon)
 
     n_steps: sequences in the batch that measured KL (verl passes the batch size).
     """
-
-    def __init__(self, kl_coef, target, horizon):
-        self.value, self.target, self.horizon = kl_coef, target, horizon
-
-    def update(self, current_kl, n_steps):
-        proportional_error = min(max(current_kl / self.target - 1, -0.2), 0.2)
-        self.value *= 1 + proportional_error * n_steps / self.horizon
+    proportional_error = min(max(current_kl / target - 1, -0.2), 0.2)
+    return beta * (1 + proportional_error * n_steps / horizon)
 
 
 def apply_kl_penalty(
@@ -289,8 +246,7 @@ def apply_kl_penalty(
 
     token_level_scores (N, T) holds each score on its last response token. Returns
     token_level_rewards (N, T) and the batch's KL as verl feeds its controller: the per-sequence
-    mean over response tokens, averaged over sequences. Does not update the controller: the caller
-    does, with that KL.
+    mean over response tokens, averaged over sequences (adaptive_kl_coef's input).
     """
     kl = kl_penalty(old_log_probs, ref_log_probs, kl_type) * response_mask  # (N, T)
     current_kl = (kl.sum(-1) / response_mask.sum(-1).clamp(min=1)).mean().item()
@@ -317,6 +273,8 @@ def update_actor(
     # train mode for the update only, as verl: Hugging Face's gradient checkpointing (and dropout,
     # where a model has any) act only in it; the log-prob passes and validation run in eval mode
     actor.train()
+    if args.optimizer_offload:  # AdamW's state on the GPU for the update only
+        sharding.move_optimizer_state(optimizer, device)
     world = dist.get_world_size()
     mini = args.ppo_mini_batch_size * args.rollout_n // world  # sequences a rank, an optimizer step
     micro = args.ppo_micro_batch_size_per_gpu
@@ -359,16 +317,15 @@ def update_actor(
                 sums["pg_loss"] += pg_loss.detach()
                 for k, v in stats.items():
                     sums[k] += v / tokens
-            if not torch.isfinite(mini_loss):
-                raise FloatingPointError(
-                    f"step {step}: non-finite loss {mini_loss.item()}; stopping before the update "
-                    "(the last checkpoint is untouched). Lower --actor_lr or check the data."
-                )
-            norm = sharding.clip_and_step(actor, optimizer, args.grad_clip, step, "--actor_lr")
+            norm = sharding.clip_and_step(
+                actor, optimizer, mini_loss, args.grad_clip, step, "--actor_lr"
+            )
             grad_norms.append(norm)
     totals = sharding.all_sum(*(v.item() for v in sums.values()), device=device)
     metrics = {f"actor/{k}": v / len(grad_norms) for k, v in zip(sums, totals)}
     metrics["actor/grad_norm"] = float(np.mean(grad_norms))
+    if args.optimizer_offload:
+        sharding.move_optimizer_state(optimizer, "cpu")
     actor.eval()
     return metrics
 
@@ -378,6 +335,8 @@ def update_critic(critic, optimizer, samples, values, returns, response_mask, ar
     returns critic/* metrics."""
     # train mode for the update only, as the actor's: gradient checkpointing acts only in it
     critic.train()
+    if args.critic_optimizer_offload:  # AdamW's state on the GPU for the update only
+        sharding.move_optimizer_state(optimizer, device)
     world = dist.get_world_size()
     mini = args.ppo_mini_batch_size * args.rollout_n // world  # sequences a rank, an optimizer step
     micro = args.critic_ppo_micro_batch_size_per_gpu
@@ -397,27 +356,23 @@ def update_critic(critic, optimizer, samples, values, returns, response_mask, ar
                 vpreds = sharding.forward_values(critic, [samples[i] for i in mb], packed)
                 Tm = vpreds.shape[1]
                 mask, old, ret = response_mask[mb, :Tm], values[mb, :Tm], returns[mb, :Tm]
-                vf_loss, stats = compute_value_loss(
-                    vpreds, old, ret, mask, args.cliprange_value, *agg
-                )
+                vf_losses, stats = compute_value_loss(vpreds, old, ret, mask, args.cliprange_value)
+                vf_loss = agg_loss(vf_losses, mask, *agg)
                 loss = args.vf_coef * vf_loss
                 (loss * world).backward()  # FSDP2 averages over ranks; the loss is a global mean
                 mini_loss += loss.detach()
                 sums["vf_loss"] += vf_loss.detach()
                 sums["vf_clipfrac"] += stats["vf_clipfrac"] / tokens
                 sums["vpred_mean"] += (vpreds.detach() * mask).sum() / tokens
-            if not torch.isfinite(mini_loss):
-                raise FloatingPointError(
-                    f"step {step}: non-finite critic loss {mini_loss.item()}; stopping before the "
-                    "update (the last checkpoint is untouched). Lower --critic_lr."
-                )
             norm = sharding.clip_and_step(
-                critic, optimizer, args.critic_grad_clip, step, "--critic_lr"
+                critic, optimizer, mini_loss, args.critic_grad_clip, step, "--critic_lr"
             )
             grad_norms.append(norm)
     totals = sharding.all_sum(*(v.item() for v in sums.values()), device=device)
     metrics = {f"critic/{k}": v / len(grad_norms) for k, v in zip(sums, totals)}
     metrics["critic/grad_norm"] = float(np.mean(grad_norms))
+    if args.critic_optimizer_offload:
+        sharding.move_optimizer_state(optimizer, "cpu")
     critic.eval()
     return metrics
 
@@ -427,10 +382,9 @@ def update_critic(critic, optimizer, samples, values, returns, response_mask, ar
 
 def check_args(args, world_size):
     """Fail at start-up, naming the flag, before anything heavy loads (the shared flags:
-    run.check_args); fill in the KL coefficients' and the critic's defaults."""
+    run.check_args); fill in the defaults that depend on other flags."""
     run.check_args(args, world_size)
     need = run.need
-    need(args.rollout_n >= 1, "--rollout_n must be >= 1")
     need(
         args.kl_loss_coef is None or args.use_kl_loss,
         "--kl_loss_coef is set but --use_kl_loss is false",
@@ -458,7 +412,7 @@ def main(args):
     r = run.start(args, check_args)  # process group, flags, reward function, tokenizer, data, steps
     device, world, n = r.device, r.world, args.rollout_n
 
-    # models: the actor (trained), the reference (frozen, only when a KL term is on), the critic
+    # models: the actor (trained) and the reference (frozen, only when a KL term is on)
     actor = sharding.load_policy(args.model, device, not args.val_only, args.param_offload, args)
     ref = None
     if (args.use_kl_loss or args.use_kl_in_reward) and not args.val_only:
@@ -466,25 +420,18 @@ def main(args):
     optimizer = torch.optim.AdamW(actor.parameters(), args.actor_lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, run.lr_lambda(args, r.total_steps))
     models, optimizers, schedulers = {"actor": actor}, {"actor": optimizer}, {"actor": scheduler}
-    critic = None
+    critic = None  # and the critic, with an optimizer of its own
     if not args.val_only:
         critic = sharding.load_critic(args.critic_model, device, args)
-        decay = args.critic_weight_decay
-        critic_optimizer = torch.optim.AdamW(
-            critic.parameters(), args.critic_lr, weight_decay=decay
-        )
-        critic_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            critic_optimizer, lambda _: 1.0
-        )  # verl
+        wd = args.critic_weight_decay
+        critic_optimizer = torch.optim.AdamW(critic.parameters(), args.critic_lr, weight_decay=wd)
+        critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lambda _: 1.0)
         models["critic"], optimizers["critic"] = critic, critic_optimizer
         schedulers["critic"] = critic_scheduler
-    kl_ctrl = FixedKLController(args.kl_coef)
-    if args.kl_ctrl_type == "adaptive":
-        kl_ctrl = AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon)
     state = r.resume(models, optimizers, schedulers)
     if state is None:  # that run has finished its steps
         return
-    kl_ctrl.value = state.get("kl_coef", kl_ctrl.value)
+    beta = state.get("kl_coef", args.kl_coef)  # the KL-in-reward coefficient, adapted or not
     # the engine, which generates with the actor's weights (a pool of engines starts in processes of
     # its own while the step's passes compile here)
     engine = r.make_engine()
@@ -528,21 +475,22 @@ def main(args):
             # controller's KL and the whitening are batch statistics (as in verl).
             with timer("adv"):
                 last = (response_mask.sum(-1).long() - 1).clamp(min=0)
-                token_level_scores = torch.zeros_like(response_mask)
-                token_level_scores[torch.arange(len(samples)), last] = batch.scores
+                scores = torch.zeros_like(response_mask)  # token-level: on the last token
+                scores[torch.arange(len(samples)), last] = batch.scores
                 kl_terms = (old_log_probs, ref_log_probs) if args.use_kl_in_reward else ()
-                gathered = sharding.gather_rows(
-                    token_level_scores, values, response_mask, *kl_terms
-                )
+                gathered = sharding.gather_rows(scores, values, response_mask, *kl_terms)
                 all_scores, all_values, all_mask, *all_log_probs = gathered  # (N, T_max)
                 all_rewards = all_scores
                 if args.use_kl_in_reward:
-                    metrics["actor/reward_kl_penalty_coeff"] = kl_ctrl.value  # this step's beta
+                    metrics["actor/reward_kl_penalty_coeff"] = beta  # this step's
                     all_rewards, kl = apply_kl_penalty(
-                        all_scores, *all_log_probs, all_mask, kl_ctrl.value, args.kl_penalty
+                        all_scores, *all_log_probs, all_mask, beta, args.kl_penalty
                     )
                     metrics["actor/reward_kl_penalty"] = kl
-                    kl_ctrl.update(kl, n_steps=len(all_mask))
+                    if args.kl_ctrl_type == "adaptive":
+                        beta = adaptive_kl_coef(
+                            beta, kl, len(all_mask), args.kl_target, args.kl_horizon
+                        )
                 gae = compute_gae_advantage_return(
                     all_rewards, all_values, all_mask, args.gamma, args.lam
                 )
@@ -557,40 +505,30 @@ def main(args):
             # 5a update the critic: clipped regression of the values toward the returns
             with timer("update_critic"):
                 metrics["critic/lr"] = critic_scheduler.get_last_lr()[0]
-                if args.critic_optimizer_offload:
-                    sharding.move_optimizer_state(critic_optimizer, device)
                 data = samples, values, returns, response_mask
                 metrics |= update_critic(critic, critic_optimizer, *data, args, step, device)
                 critic_scheduler.step()
-                if args.critic_optimizer_offload:
-                    sharding.move_optimizer_state(critic_optimizer, "cpu")
 
-            # 5b update the actor once the critic has warmed up: mini-batches x epochs, micro-batch
-            # gradients accumulated, a global mean
+            # 5b update the actor once the critic has warmed up (no actor MFU before: no update):
+            # mini-batches x epochs, micro-batch gradients accumulated, a global mean
             if step > args.critic_warmup:
                 with timer("update_actor"):
                     metrics["actor/lr"] = scheduler.get_last_lr()[0]  # this update's rate
-                    if args.optimizer_offload:
-                        sharding.move_optimizer_state(optimizer, device)
                     kl_ref = ref_log_probs if args.use_kl_loss else None  # the KL loss's reference
                     data = samples, old_log_probs, kl_ref, advantages, response_mask
                     metrics |= update_actor(actor, optimizer, *data, args, step, device, is_weights)
                     scheduler.step()
-                    if args.optimizer_offload:
-                        sharding.move_optimizer_state(optimizer, "cpu")
 
             # 6 push the new weights into the engine: FSDP2 shards -> full tensors -> vLLM's loaders
             optimizer.zero_grad(set_to_none=True)
             source.push_weights(timer)
 
-        # 7 log, validate, save (no actor MFU during the critic's warm-up: the update did not run)
+        # 7 log, validate, save
         rewards = sharding.all_sum(token_level_rewards.sum().item(), device=device)[0]
         metrics["critic/rewards/mean"] = rewards / (len(batch.groups) * n)  # per sequence
         for name, x in (("advantages", advantages), ("values", values), ("returns", returns)):
             metrics[f"critic/{name}/mean"] = sharding.masked_mean(x, response_mask, n_tokens)
-        if r.end_step(
-            step, metrics, timer, batch, old_log_probs, source, {"kl_coef": kl_ctrl.value}
-        ):
+        if r.end_step(step, metrics, timer, batch, old_log_probs, source, {"kl_coef": beta}):
             break
     return r.finish(step, metrics, actor, source)
 

@@ -17,9 +17,9 @@ from bench.tiny import tiny_config
 from sharding import forward_values
 from tests.tiny_model import LENGTHS, GradRecorder, make_samples, tiny_critic
 from train_ppo import (
-    AdaptiveKLController,
     Args,
-    FixedKLController,
+    adaptive_kl_coef,
+    agg_loss,
     apply_kl_penalty,
     check_args,
     compute_gae_advantage_return,
@@ -164,16 +164,9 @@ def test_value_loss_clip_by_hand():
     values = torch.tensor([[1.0, 1.0, 1.0, 1.0, -7.0]])
     returns = torch.tensor([[2.0, 2.0, 0.0, 1.2, 30.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
-    vf_loss, stats = compute_value_loss(
-        vpreds,
-        values,
-        returns,
-        mask,
-        0.5,
-        "token-mean",
-        num_tokens=4,
-        num_seqs=1,
-        max_response_length=5,
+    vf_losses, stats = compute_value_loss(vpreds, values, returns, mask, 0.5)
+    vf_loss = agg_loss(
+        vf_losses, mask, "token-mean", num_tokens=4, num_seqs=1, max_response_length=5
     )
     close(vf_loss, 0.5275)
     assert stats["vf_clipfrac"].item() == 1  # token 1 only
@@ -189,18 +182,14 @@ def test_value_loss_is_global_over_micro_batches():
     g = torch.Generator().manual_seed(2)
     vpreds, values, returns = (torch.randn(4, 3, generator=g) for _ in range(3))
     mask = torch.tensor([[1.0, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]])
-    kw = dict(
-        cliprange_value=0.2,
-        loss_agg_mode="token-mean",
-        num_tokens=9,
-        num_seqs=4,
-        max_response_length=3,
-    )
-    whole, whole_stats = compute_value_loss(vpreds, values, returns, mask, **kw)
-    halves = [
-        compute_value_loss(vpreds[s], values[s], returns[s], mask[s], **kw)
-        for s in (slice(0, 2), slice(2, 4))
-    ]
+    agg = "token-mean", 9, 4, 3  # mode, num_tokens, num_seqs, max_response_length: the whole's
+
+    def vf_loss(s):
+        vf_losses, stats = compute_value_loss(vpreds[s], values[s], returns[s], mask[s], 0.2)
+        return agg_loss(vf_losses, mask[s], *agg), stats
+
+    whole, whole_stats = vf_loss(slice(0, 4))
+    halves = [vf_loss(s) for s in (slice(0, 2), slice(2, 4))]
     close(sum(h[0] for h in halves), whole)
     assert sum(h[1]["vf_clipfrac"] for h in halves) == whole_stats["vf_clipfrac"]
 
@@ -219,28 +208,18 @@ def test_explained_variance_by_hand():
 # --- KL in the reward ----------------------------------------------------------------------------
 
 
-def test_adaptive_kl_controller_by_hand():
+def test_adaptive_kl_coef_by_hand():
     # kl 12, target 6: error = 12 / 6 - 1 = 1 -> clipped to 0.2; mult = 1 + 0.2 * 256 / 10000
     # = 1.00512
-    ctrl = AdaptiveKLController(0.001, target=6.0, horizon=10000)
-    ctrl.update(12.0, n_steps=256)
-    assert ctrl.value == pytest.approx(0.001 * 1.00512, rel=1e-12)
+    beta = adaptive_kl_coef(0.001, 12.0, n_steps=256, target=6.0, horizon=10000)
+    assert beta == pytest.approx(0.001 * 1.00512, rel=1e-12)
     # kl 6.6: error 0.1 (inside the clip) -> mult = 1 + 0.1 * 256 / 10000 = 1.00256
-    ctrl = AdaptiveKLController(0.001, target=6.0, horizon=10000)
-    ctrl.update(6.6, n_steps=256)
-    assert ctrl.value == pytest.approx(0.001 * 1.00256, rel=1e-9)
+    beta = adaptive_kl_coef(0.001, 6.6, n_steps=256, target=6.0, horizon=10000)
+    assert beta == pytest.approx(0.001 * 1.00256, rel=1e-9)
     # kl 0: error -1 -> -0.2; mult = 1 - 0.2 * 256 / 10000 = 0.99488; twice: 0.99488^2
-    ctrl = AdaptiveKLController(0.001, target=6.0, horizon=10000)
-    ctrl.update(0.0, n_steps=256)
-    ctrl.update(0.0, n_steps=256)
-    assert ctrl.value == pytest.approx(0.001 * 0.99488**2, rel=1e-12)
-
-
-def test_fixed_kl_controller_never_moves():
-    ctrl = FixedKLController(0.001)
-    for kl in (0.0, 12.0, -3.0):
-        ctrl.update(kl, n_steps=256)
-    assert ctrl.value == 0.001
+    beta = adaptive_kl_coef(0.001, 0.0, n_steps=256, target=6.0, horizon=10000)
+    beta = adaptive_kl_coef(beta, 0.0, n_steps=256, target=6.0, horizon=10000)
+    assert beta == pytest.approx(0.001 * 0.99488**2, rel=1e-12)
 
 
 def test_apply_kl_penalty_by_hand():

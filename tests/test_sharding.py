@@ -530,8 +530,21 @@ def test_a_non_finite_gradient_stops_before_the_update():
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     (model(torch.ones(1, 3)) * float("nan")).sum().backward()
     with pytest.raises(FloatingPointError, match="step 7: non-finite gradient norm.*--actor_lr"):
-        sharding.clip_and_step(model, optimizer, 1.0, 7, "--actor_lr")
+        sharding.clip_and_step(model, optimizer, torch.tensor(1.0), 1.0, 7, "--actor_lr")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no update happened
+
+
+def test_a_non_finite_loss_stops_before_the_update():
+    model = torch.nn.Linear(3, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()  # a finite gradient: the loss alone stops it
+    loss = torch.tensor(float("inf"))
+    with pytest.raises(
+        FloatingPointError, match="step 3: non-finite loss inf.*--critic_lr or check"
+    ):
+        sharding.clip_and_step(model, optimizer, loss, 1.0, 3, "--critic_lr")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def test_clip_and_step_clips_and_steps():
@@ -541,7 +554,10 @@ def test_clip_and_step_clips_and_steps():
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     # grad (3, 4): norm 5 -> clipped to (0.6, 0.8)
     model(torch.tensor([[3.0, 4.0]])).sum().backward()
-    assert sharding.clip_and_step(model, optimizer, 1.0, 1, "--actor_lr") == pytest.approx(5.0)
+    loss = torch.tensor(2.0)
+    assert sharding.clip_and_step(model, optimizer, loss, 1.0, 1, "--actor_lr") == pytest.approx(
+        5.0
+    )
     assert torch.allclose(model.weight, torch.tensor([[0.4, 0.2]]))  # 1 - 0.6, 1 - 0.8
     assert model.weight.grad is None  # zeroed for the next mini-batch
 

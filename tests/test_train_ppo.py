@@ -324,7 +324,8 @@ def test_critic_warmup_updates_only_the_critic_first(assets):
 
 def test_groups_filtered_and_generated_beside_the_training(assets):
     """The batch's extras are shared flags (batches.py): PPO with groups of 2, DAPO's filter and
-    one-step off-policy generation trains two steps on groups whose scores vary."""
+    one-step off-policy generation trains two steps on groups whose scores vary; a fixed KL
+    coefficient stays put."""
     out = two_step_run(
         assets,
         "hf",
@@ -332,6 +333,8 @@ def test_groups_filtered_and_generated_beside_the_training(assets):
         "2",
         "--filter_groups",
         "--one_step_off_policy",
+        "--kl_ctrl_type",
+        "fixed",
         "--rollout_data_dir",
         str(assets["tmp"] / "ppo_filter_rollouts"),
         name="ppo_filter",
@@ -339,7 +342,10 @@ def test_groups_filtered_and_generated_beside_the_training(assets):
     m = metrics_by_step(out)
     # step 1's weights go into the engine at step 2's start, once the batch it generated is done
     check_metrics(m[2], METRICS, 2)
+    # --kl_ctrl_type fixed: beta stays where it started while the KL moves
+    assert m[2]["actor/reward_kl_penalty"] != 0
     for step in (1, 2):
+        assert m[step]["actor/reward_kl_penalty_coeff"] == pytest.approx(0.001)
         assert m[step]["rollout/gen_prompts"] >= 4 and "timing_s/gen_background" in m[step]
         rows = [
             json.loads(line)
