@@ -8,15 +8,26 @@ A reward function has verl's signature
     -> float | dict
 
 and returns a number, or a dict with a numeric "score" plus numeric extras that are logged
-(e.g. {"score": 1.0, "acc": 1.0, "format": 0.0}). No torch and no model calls here.
+(e.g. {"score": 1.0, "acc": 1.0, "format": 0.0}). `RewardFunction` calls it in this process, or in
+worker processes with a time limit per call (--reward_workers, --reward_timeout). No torch and no
+model calls here.
 """
 
+import ctypes
 import importlib.util
 import inspect
 import math
 import numbers
+import os
+import pickle
 import re
+import select
+import signal
+import struct
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -161,6 +172,178 @@ def load_reward_function(path=None, name="compute_score"):
     return fn
 
 
+# --- calling the reward function: in this process, or in workers with a time limit --------------
+
+
+class RewardFunction:
+    """The reward function (`load_reward_function(path, name)`) as a run calls it: `call_all(calls)`
+    with one dict of keyword arguments per sample returns one outcome per sample, in order: ("ok",
+    value), ("error", "ValueError: ..."), ("timeout", seconds) or ("died", exit code).
+
+    workers=0 calls it here, one sample after the other. workers=N starts N processes (`_serve`:
+    a fresh Python that imports this module and the reward file, not the trainer) that score the
+    samples in parallel; a call that outlasts `timeout` seconds has its process killed and a new one
+    started, so one stuck sample costs `timeout`, not the run (verl's prime reward manager scores in
+    a process pool with a timeout too). The workers die with this process, however it ends (killed
+    included: the kernel's parent-death signal); `close()` ends them at once.
+    """
+
+    def __init__(self, path=None, name="compute_score", workers=0, timeout=None):
+        self.fn = load_reward_function(path, name)  # a broken file fails here, in this process
+        self.path = None if path is None else os.fspath(path)
+        self.name, self.timeout = name, timeout
+        self.label = f"{name} in {self.path}" if path else "compute_score (built in)"
+        self.lock = threading.Lock()  # validation and a background rollout may score at once
+        self.busy = None  # the call in progress, for a SIGTERM's message
+        self.workers = [self._start() for _ in range(workers)]
+        _OPEN.append(self)
+
+    def _start(self):
+        here = os.path.dirname(os.path.abspath(__file__))
+        # the kernel's parent-death signal follows the thread that started the worker: only the main
+        # thread lives as long as this process
+        main_thread = threading.current_thread() is threading.main_thread()
+        code = (
+            f"import sys; sys.path.insert(0, {here!r}); import reward; "
+            f"reward._serve({self.path!r}, {self.name!r}, {os.getpid()}, {main_thread})"
+        )
+        return subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+
+    def __call__(self, **kwargs):
+        return self.fn(**kwargs)
+
+    def call_all(self, calls):
+        with self.lock:
+            try:
+                if self.workers:
+                    self.busy = f"calling the reward function {self.label} in {len(self.workers)} "
+                    self.busy += f"worker processes on {len(calls)} samples"
+                    return self._call_in_workers(calls)
+                outcomes = []
+                for i, call in enumerate(calls):
+                    self.busy = (
+                        f"calling the reward function {self.label} on sample {i} "
+                        f"(data_source={call['data_source']!r})"
+                    )
+                    outcomes.append(_call(self.fn, call))
+                return outcomes
+            finally:
+                self.busy = None
+
+    def _call_in_workers(self, calls):
+        outcomes, todo = [None] * len(calls), list(range(len(calls)))[::-1]
+        busy = {}  # worker index -> (sample index, deadline)
+        while todo or busy:
+            for w in [w for w in range(len(self.workers)) if w not in busy]:
+                if not todo:
+                    break
+                i = todo.pop()
+                try:
+                    _send(self.workers[w].stdin, calls[i])
+                except (BrokenPipeError, OSError):  # it died between calls
+                    outcomes[i] = ("died", self._restart(w))
+                    continue
+                busy[w] = (i, time.monotonic() + self.timeout if self.timeout else None)
+            if not busy:
+                continue
+            deadlines = [d for _, d in busy.values() if d is not None]
+            wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            by_fd = {self.workers[w].stdout.fileno(): w for w in busy}
+            ready, _, _ = select.select(list(by_fd), [], [], wait)
+            for fd in ready:
+                w = by_fd[fd]
+                i, _ = busy.pop(w)
+                out = _receive(self.workers[w].stdout)
+                outcomes[i] = out if out is not None else ("died", self._restart(w))
+            now = time.monotonic()
+            for w, (i, deadline) in list(busy.items()):
+                if deadline is not None and now >= deadline:
+                    del busy[w]
+                    self._restart(w)
+                    outcomes[i] = ("timeout", self.timeout)
+        return outcomes
+
+    def _restart(self, w):
+        """End worker w (killed if it still runs) and start another in its place; returns how the
+        old one ended (its exit code; negative: the signal)."""
+        old = self.workers[w]
+        old.kill()
+        code = old.wait()
+        for f in (old.stdin, old.stdout):
+            f.close()
+        self.workers[w] = self._start()
+        return code
+
+    def close(self):
+        for p in self.workers:
+            p.kill()
+        for p in self.workers:
+            p.wait()
+            for f in (p.stdin, p.stdout):
+                f.close()
+        self.workers = []
+
+
+_OPEN = []  # every RewardFunction of this process, for close_all
+
+
+def close_all():
+    """End every reward worker of this process (a run's last act, on every exit path)."""
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+def _call(fn, kwargs):
+    try:
+        return ("ok", fn(**kwargs))
+    except Exception as e:
+        return ("error", f"{type(e).__name__}: {e}", e)
+
+
+def _send(f, obj):
+    data = pickle.dumps(obj)
+    f.write(struct.pack("<Q", len(data)) + data)
+    f.flush()
+
+
+def _receive(f):
+    """One message, or None at the end of the stream (the other side died or closed it)."""
+    head = f.read(8)
+    if len(head) < 8:
+        return None
+    data = f.read(struct.unpack("<Q", head)[0])
+    return pickle.loads(data)
+
+
+def _serve(path, name, parent, parent_death_signal):
+    """A reward worker's loop: read a call's keyword arguments, call the function, send back the
+    outcome; until the trainer closes the pipe. The function's prints go to stderr: stdout carries
+    the outcomes. It dies with the trainer, even a killed one: at once by the kernel's parent-death
+    signal, or within a second by a thread that watches the parent."""
+    if parent_death_signal and sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    calls, outcomes = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    fn = load_reward_function(path, name)
+    while (kwargs := _receive(calls)) is not None:
+        outcome = _call(fn, kwargs)[:2]  # the exception itself may not pickle
+        try:
+            _send(outcomes, outcome)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            _send(outcomes, ("error", f"its result cannot be sent back: {type(e).__name__}: {e}"))
+
+
 def _number(x):
     """x as a finite float, or None when it is not a number (bool and numpy scalars count: True
     -> 1.0)."""
@@ -177,49 +360,55 @@ def score_batch(
     fn, data_sources, responses, ground_truths, extra_infos, reward_errors="raise", **kwargs
 ):
     """Score each response with fn(data_source=, solution_str=, ground_truth=, extra_info=,
-    **kwargs).
+    **kwargs); fn is a RewardFunction (in workers, with a time limit) or a plain function.
 
     Returns (scores, extras, n_errors): scores is a list[float]; extras maps each numeric extra key
     that fn returned in a dict to a list[float] over all samples (0.0 where a sample lacks the key,
     so means are over the batch); non-numeric extras (e.g. the extracted answer) are dropped.
-    A failing sample (fn raised, or returned None, a string, nan, a dict without a numeric "score"):
-    reward_errors="raise" raises RuntimeError naming it; "zero" scores it 0.0 and counts it in
-    n_errors.
+    A failing sample (fn raised, ran out of time, its worker died, or it returned None, a string,
+    nan, a dict without a numeric "score"): reward_errors="raise" raises RuntimeError naming the
+    sample, its data source and the function; "zero" scores it 0.0, counts it in n_errors and
+    prints it to stderr (the first 5 of a batch).
     """
     assert reward_errors in ("raise", "zero"), (
         f"reward_errors must be 'raise' or 'zero', not {reward_errors!r}"
     )
+    label = getattr(fn, "label", getattr(fn, "__name__", "the reward function"))
+    calls = [
+        dict(data_source=s, solution_str=r, ground_truth=g, extra_info=e, **kwargs)
+        for s, r, g, e in zip(data_sources, responses, ground_truths, extra_infos)
+    ]
+    call_all = getattr(fn, "call_all", None)
+    outcomes = call_all(calls) if call_all else [_call(fn, c) for c in calls]
     scores, rows, n_errors = [], [], 0
-    for i, (source, response, truth, info) in enumerate(
-        zip(data_sources, responses, ground_truths, extra_infos)
-    ):
-        try:
-            out = fn(
-                data_source=source,
-                solution_str=response,
-                ground_truth=truth,
-                extra_info=info,
-                **kwargs,
+    for i, (call, outcome) in enumerate(zip(calls, outcomes)):
+        kind, out = outcome[0], outcome[1]
+        score = extra = None
+        if kind == "ok":
+            extra = (
+                {k: _number(v) for k, v in out.items() if k != "score"}
+                if isinstance(out, dict)
+                else {}
             )
-        except Exception as e:
-            if reward_errors == "raise":
-                raise RuntimeError(
-                    f"reward function raised on {_where(i, source, response)}: "
-                    f"{type(e).__name__}: {e}. "
-                    "Pass --reward_errors zero to score such samples 0.0"
-                ) from e
-            out, n_errors = 0.0, n_errors + 1
-        extra = (
-            {k: _number(v) for k, v in out.items() if k != "score"} if isinstance(out, dict) else {}
-        )
-        score = _number(out.get("score") if isinstance(out, dict) else out)
+            score = _number(out.get("score") if isinstance(out, dict) else out)
         if score is None:
+            what = {
+                "ok": lambda: f"returned {type(out).__name__} {str(out)[:100]!r}",
+                "error": lambda: f"raised {out}",
+                "timeout": lambda: f"did not return within --reward_timeout {out} s",
+                "died": lambda: f"ended its worker process (exit code {out})",
+            }[kind]()
+            where = _where(i, call["data_source"], call["solution_str"])
+            message = f"reward function {label} {what} on {where}"
+            if kind == "ok":
+                message += "; it must return a number or a dict with a numeric 'score'"
             if reward_errors == "raise":
+                cause = outcome[2] if len(outcome) > 2 else None
                 raise RuntimeError(
-                    f"reward function returned {type(out).__name__} {str(out)[:100]!r} on "
-                    f"{_where(i, source, response)}; it must return a number or a dict with a "
-                    "numeric 'score'. Pass --reward_errors zero to score such samples 0.0"
-                )
+                    f"{message}. Pass --reward_errors zero to score such samples 0.0"
+                ) from cause
+            if n_errors < 5:
+                print(f"{message}; scored 0.0 (--reward_errors zero)", file=sys.stderr, flush=True)
             score, extra, n_errors = 0.0, {}, n_errors + 1
         scores.append(score)
         rows.append({k: v for k, v in extra.items() if v is not None})

@@ -28,9 +28,12 @@ import math
 import operator
 import os
 import random
+import signal
 import socket
 import sys
+import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -238,7 +241,22 @@ class RunArgs:
     # reward
     custom_reward_function_path: str | None = flag(None, "a .py file")
     custom_reward_function_name: str = flag("compute_score", "function in that file")
-    reward_errors: str = flag("raise", "raise | zero: a failing reward call scores 0")
+    reward_errors: str = flag(
+        "raise",
+        "raise | zero: a reward call that fails or times out scores 0, counted in reward/errors",
+    )
+    reward_workers: int = flag(
+        0,
+        "processes per GPU process that call the reward function in parallel (0: in the "
+        "trainer's own process)",
+        ge=0,
+    )
+    reward_timeout: float | None = flag(
+        None,
+        "seconds a reward call may take before it fails as a reward error; calls then run "
+        "in worker processes (at least one, --reward_workers)",
+        gt=0,
+    )
     # trainer
     total_epochs: int = flag(15, "passes over the training prompts", ge=1)
     total_training_steps: int | None = flag(None, "overrides total_epochs", ge=1)
@@ -248,6 +266,13 @@ class RunArgs:
     test_freq: int = flag(10, "validate every N steps (-1: never)", ge=1, also=(-1,))
     val_before_train: bool = flag(True, "validate before the first step")
     val_only: bool = flag(False, "only evaluate --model (or the checkpoint) and exit")
+    stop_grace_s: float = flag(
+        25.0,
+        "after a SIGTERM, the seconds the step in progress has to reach its checkpoint; past them "
+        "the run ends at once, naming the phase it is in (torchrun and Slurm kill 30 s after their "
+        "SIGTERM)",
+        gt=0,
+    )
     val_n: int = flag(1, "val_only: samples per prompt for pass@k (T=val_temperature)", ge=1)
     val_temperature: float = flag(1.0, "val_only: temperature of the pass@k samples", ge=0)
     max_val_samples: int | None = flag(None, "validate on the first N prompts", ge=1)
@@ -434,6 +459,8 @@ def init_distributed():
         "nccl" if device.type == "cuda" else "gloo",
         device_id=device if device.type == "cuda" else None,
     )
+    if dist.get_world_size() > 1:
+        watch_peers()  # a rank that fails ends the others within a second
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -465,6 +492,9 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+PHASES = []  # the main thread's phases in progress, outermost first: what a stuck run is doing
+
+
 class Timer:
     """`with timer("gen"):` adds the seconds spent inside to metrics["timing_s/gen"] (nestable), and
     on a GPU the phase's peak memory to metrics["perf/max_memory_allocated_gb/gen"] (innermost
@@ -486,8 +516,13 @@ class Timer:
             torch.cuda.reset_peak_memory_stats()
         unbacked = self.engine.unbacked_bytes() if self.engine is not None else 0
         self.inner_done = False
+        main = threading.current_thread() is threading.main_thread()
+        PHASES.append(name) if main else None
         t0 = time.perf_counter()
-        yield
+        try:
+            yield
+        finally:
+            PHASES.pop() if main else None
         sync(self.device)
         key = f"timing_s/{name}"
         self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - t0
@@ -839,10 +874,17 @@ class Run:
         self.peak_flops = measure_peak_flops(device) * self.world
         self.push_bytes = sum(p.numel() for p in actor.parameters()) * push_dtype.itemsize
         self.config = actor.config
-        self.stop = sharding.StopRequest()  # a SIGTERM checkpoints the step in progress and stops
+        # a SIGTERM checkpoints the step in progress and stops; a stuck phase ends at the deadline
+        self.stop = StopRequest(self.args.stop_grace_s, self.where)
         self.bar = tqdm(
             total=self.total_steps, initial=self.step, disable=self.rank != 0, desc="steps"
         )
+
+    def where(self):
+        """What the run is doing now, for a message: its phase and the reward call in progress."""
+        phase = f"phase {' > '.join(PHASES)}" if PHASES else "no phase (between two)"
+        busy = getattr(self.reward_fn, "busy", None)
+        return phase + (f", {busy}" if busy else "")
 
     def validate(self, step=None, **kw):
         return validate(
@@ -933,6 +975,7 @@ class Run:
         args = self.args
         self.bar.close()
         source.close()
+        self.stop.finished.set()
         if self.stopping:
             if self.rank == 0:
                 how = (
@@ -998,8 +1041,12 @@ def start(args, check_args):
             "--resume_mode auto, or choose another --default_local_dir / --experiment_name, or "
             "delete them",
         )
-    reward_fn = reward.load_reward_function(
-        args.custom_reward_function_path, args.custom_reward_function_name
+    workers = max(args.reward_workers, 1 if args.reward_timeout else 0)
+    reward_fn = reward.RewardFunction(
+        args.custom_reward_function_path,
+        args.custom_reward_function_name,
+        workers,
+        args.reward_timeout,
     )
     if sharding.gpu_default(args.use_torch_compile, device):
         sharding.compile_logits_math()
@@ -1035,16 +1082,142 @@ def start(args, check_args):
     return run
 
 
+# --- the end: a SIGTERM's deadline, a failed rank ends every rank ---------------------------------
+
+
+class StopRequest:
+    """SIGTERM, the notice a batch scheduler or `timeout` gives before it kills a job, noted instead
+    of obeyed: the train loop asks `agreed` after each step's update, again after its validation and
+    after its checkpoint, and when any rank was signalled all of them checkpoint that step and stop,
+    so `--resume_mode auto` continues where the run stopped rather than from the last `--save_freq`
+    checkpoint. A run still short of that stop `grace` seconds after the first SIGTERM (a phase
+    stuck: a reward call that never returns, a rank waiting for one that hangs) ends at once,
+    saying where it was (`where()`), before torchrun's kill 30 s after its own SIGTERM
+    (`--shutdown-timeout` from torch 2.12) would end it without a word. Every later SIGTERM is
+    noted the same way (`timeout` signals the workers and torchrun, which signals them again);
+    Ctrl-C (SIGINT) still stops at once."""
+
+    def __init__(self, grace=None, where=None):
+        self.signalled, self.grace, self.where = False, grace, where
+        self.finished = threading.Event()  # the run has stopped: the deadline stands down
+        # where Python runs signal handlers
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, signum, frame):
+        if not self.signalled and self.grace is not None:
+            threading.Thread(target=self._deadline, daemon=True, name="sigterm_deadline").start()
+        self.signalled = True
+
+    def _deadline(self):
+        if self.finished.wait(self.grace):
+            return
+        where = self.where() if self.where else "a phase"
+        why = (
+            f"a SIGTERM came {self.grace:g} s ago (--stop_grace_s) and the run is still in {where}"
+        )
+        print(
+            f"[rank {sharding.rank()}] {why}: ending now, without checkpointing this step; the "
+            "same command with --resume_mode auto continues from the last checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        tell_peers(f"rank {sharding.rank()} ended: {why}")  # ranks waiting for this one end too
+        reward.close_all()
+        os._exit(128 + signal.SIGTERM)
+
+    def agreed(self, device) -> bool:
+        """Whether any rank has been signalled (a collective: every rank calls it at the same
+        point)."""
+        flag = torch.tensor([float(self.signalled)], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+FAILED = "run/failed"  # the key in the process group's store that the first failed rank writes
+_finished = threading.Event()  # this process's run ended: its peers' watch stands down
+
+
+def watch_peers(interval=1.0):
+    """End this process within `interval` seconds of another rank's failure (`fail`). Without it the
+    others wait for the failed rank in a collective that never completes: NCCL until its 10-minute
+    timeout, gloo wherever its peers' sockets stay open."""
+    store = dist.distributed_c10d._get_default_store()
+
+    def watch():
+        while not _finished.wait(interval):
+            try:
+                failed = store.check([FAILED])
+            except Exception:  # the store's host has ended (the launcher or rank 0): so do we
+                failed = not _finished.is_set()
+            if failed and not _finished.is_set():
+                try:
+                    why = store.get(FAILED).decode()
+                except Exception:
+                    why = "the process group's store is gone: another process has ended"
+                print(f"[rank {dist.get_rank()}] stopping: {why}", file=sys.stderr, flush=True)
+                reward.close_all()
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="watch_peers").start()
+
+
+def tell_peers(message):
+    """Write why this rank ends into the store, for the others' `watch_peers`; returns the message
+    the store holds, another rank's when that one ended first (or None without a store)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        return store.compare_set(FAILED, "", message[:4000]).decode()
+    except Exception:
+        return None
+
+
+def fail(error):
+    """This rank failed: show its error, tell the other ranks through the store (`watch_peers`),
+    record it for torchrun's summary, end the process at once. Never a barrier: the other ranks may
+    be waiting in another collective for this one. A rank that fails because another one did first
+    (gloo's "Connection closed by peer") says so in a line and leaves torchrun's summary to that
+    rank's error."""
+    rank = dist.get_rank()
+    why = str(error.code) if isinstance(error, SystemExit) else f"{type(error).__name__}: {error}"
+    mine = f"rank {rank} failed: {why}"
+    first = tell_peers(mine)
+    if first is not None and first != mine[:4000]:
+        print(f"[rank {rank}] stopping: {first}", file=sys.stderr, flush=True)
+        time.sleep(2.0)  # torchrun names the first failure it sees: that rank's, not this one's
+    else:
+        if isinstance(error, SystemExit):  # a refused flag or file (`need`): the message says it
+            print(why, file=sys.stderr)
+        else:
+            text = "".join(traceback.format_exception(error))
+            print(f"[rank {rank}] {text}", file=sys.stderr, end="")
+        with contextlib.suppress(Exception):
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+            ErrorHandler().record_exception(error)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    reward.close_all()
+    os._exit(1)
+
+
 def launch(main, Args):
     """The command line: parse the flags into the script's Args, run `main`, end the process."""
     (parsed,) = HfArgumentParser(Args).parse_args_into_dataclasses()
     try:
         main(parsed)
-    finally:
-        # vLLM tears the process group down itself when its engine is collected; only then is it
-        # safe (and needed) to destroy it here.
-        if dist.is_initialized():
-            dist.barrier()
+    except BaseException as error:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            fail(error)  # ends the process
+        reward.close_all()
+        raise
+    _finished.set()
+    reward.close_all()
+    if dist.is_initialized():
+        dist.barrier()
     # A finished run has written everything (metrics, checkpoints, the export) and closed its
     # loggers. It ends without the interpreter's teardown, which shuts vLLM's engine down and
     # collects what it held: 4-6 s per process on CPU, for nothing. An EnginePool's engines exit

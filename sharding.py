@@ -8,8 +8,8 @@
 - `save_checkpoint` / `load_checkpoint` use torch.distributed.checkpoint (sharded, loadable at
   another world size), written to a temporary folder and renamed, so a crash mid-save leaves the
   last good checkpoint as it was. Folders follow verl's layout: `global_step_{N}` plus the tracker
-  file `latest_checkpointed_iteration.txt`. `StopRequest` turns a SIGTERM into a checkpoint of the
-  step in progress and a clean stop.
+  file `latest_checkpointed_iteration.txt`. A save that fails (a full disk) removes its
+  half-written folder and says what to do.
 - `export_hf` writes a folder that `transformers` and vLLM load directly.
 - `PACKED_ATTENTION` is an attention implementation for packed sequences (`--use_remove_padding`):
   flash attention over variable-length segments on GPU, so no (L, L) mask is ever built.
@@ -29,14 +29,13 @@ across nodes).
 """
 
 import contextlib
+import errno
 import functools
 import json
 import os
 import random
 import re
 import shutil
-import signal
-import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -960,35 +959,6 @@ def compile_ahead(actor, ref, args, device, update_actor, critic=None, update_cr
 # --------------------------------------------------------------------------- checkpoints
 
 
-class StopRequest:
-    """SIGTERM, the notice a batch scheduler or `timeout` gives before it kills a job, noted instead
-    of obeyed: the train loop asks `agreed` after each step's update, again after its validation and
-    after its checkpoint, and when any rank was signalled all of them checkpoint that step and stop,
-    so `--resume_mode auto` continues where the run stopped rather than from the last `--save_freq`
-    checkpoint. A step that outlasts the grace period is lost as before: torchrun, signalled itself,
-    passes the signal on and kills its workers 30 s later (`--shutdown-timeout` from torch 2.12;
-    before, signal the workers alone, as bench/limit.sh does). Every later SIGTERM is noted the same
-    way (`timeout` signals the workers and torchrun, which signals them again); Ctrl-C (SIGINT)
-    still stops at once."""
-
-    def __init__(self):
-        self.signalled = False
-        # where Python runs signal handlers
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._note)
-
-    def _note(self, signum, frame):
-        self.signalled = True
-
-    def agreed(self, device) -> bool:
-        """Whether any rank has been signalled (a collective: every rank calls it at the same
-        point)."""
-        flag = torch.tensor([float(self.signalled)], device=device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-
 def _rng_state() -> dict:
     state = {
         "python": random.getstate(),
@@ -1055,24 +1025,26 @@ def save_checkpoint(
     state = {f"model.{k}": get_model_state_dict(m) for k, m in models.items()}
     for k, opt in (optimizers or {}).items():
         state[f"optim.{k}"] = get_optimizer_state_dict(models[k], opt)
-    dcp.save(state, checkpoint_id=tmp)
-    # RNG streams are per rank; at another world size ranks without a file keep their seeding.
-    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank()}.pt"))
+    with _writing(tmp, root, f"checkpoint {final}"):
+        dcp.save(state, checkpoint_id=tmp)
+        # RNG streams are per rank; at another world size ranks without a file keep their seeding.
+        torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank()}.pt"))
     barrier()
     if rank() == 0:
-        extra = {"schedulers": {k: s.state_dict() for k, s in (schedulers or {}).items()}}
-        torch.save(extra, os.path.join(tmp, "schedulers.pt"))
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(
-                {
-                    "global_step": step,
-                    "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                    **(trainer_state or {}),
-                },
-                f,
-                indent=1,
-            )
-        open(os.path.join(tmp, "COMPLETE"), "w").close()
+        with _writing(tmp, root, f"checkpoint {final}"):
+            extra = {"schedulers": {k: s.state_dict() for k, s in (schedulers or {}).items()}}
+            torch.save(extra, os.path.join(tmp, "schedulers.pt"))
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump(
+                    {
+                        "global_step": step,
+                        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                        **(trainer_state or {}),
+                    },
+                    f,
+                    indent=1,
+                )
+            open(os.path.join(tmp, "COMPLETE"), "w").close()
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -1085,6 +1057,43 @@ def save_checkpoint(
                 shutil.rmtree(os.path.join(root, f"global_step_{old}"), ignore_errors=True)
     barrier()
     return final
+
+
+@contextlib.contextmanager
+def _writing(tmp, root, what):
+    """A write into the folder `tmp` that becomes `what`: when it fails, the half-written folder
+    goes and the error says why, a full disk by name (torch's writers report one as "unexpected pos
+    704 vs 598" or "file write failed"), and what to do."""
+    try:
+        yield
+    except Exception as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            free = shutil.disk_usage(root).free
+        except OSError:
+            free = None
+        chain, e = [], error
+        while e is not None and len(chain) < 8:
+            chain.append(e)
+            e = e.__cause__ or e.__context__
+        full = any(getattr(e, "errno", None) == errno.ENOSPC for e in chain)
+        full = full or any("No space left" in str(e) for e in chain)
+        full = full or (free is not None and free < 256 * 2**20)
+        why = (
+            f"the disk holding {root} is full ({free / 2**20:.0f} MiB free)"
+            if full and free is not None
+            else "the disk is full"
+            if full
+            else f"{type(error).__name__}: {error}"
+        )
+        latest = latest_checkpoint(root) if os.path.isdir(root) else None
+        kept = f"the last checkpoint, {latest}, is untouched" if latest else "no checkpoint before"
+        raise OSError(
+            errno.ENOSPC if full else errno.EIO,
+            f"writing {what} failed: {why}. The half-written folder is removed and {kept}. Free "
+            "space (--keep_last_checkpoints N keeps fewer checkpoints) and run the same command "
+            "with --resume_mode auto",
+        ) from error
 
 
 class CheckpointError(Exception):
@@ -1159,29 +1168,31 @@ def export_hf(
         shards[-1][name] = tensor.detach().to("cpu", copy=True).contiguous()
         size += nbytes
     if rank() == 0:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = (
-                "model.safetensors"
-                if len(shards) == 1
-                else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            )
-            save_file(shard, os.path.join(tmp, fname), metadata={"format": "pt"})
-            weight_map.update({k: fname for k in shard})
-        if len(shards) > 1:
-            total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump(
-                    {"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1
+        root = os.path.dirname(os.path.abspath(path))
+        with _writing(tmp, root, f"the final policy {path}"):
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fname = (
+                    "model.safetensors"
+                    if len(shards) == 1
+                    else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                 )
-        config = model.config.__class__.from_dict(model.config.to_dict())
-        config.dtype = dtype
-        config.use_cache = True
-        config.save_pretrained(tmp)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+                save_file(shard, os.path.join(tmp, fname), metadata={"format": "pt"})
+                weight_map.update({k: fname for k in shard})
+            if len(shards) > 1:
+                total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+                with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                    json.dump(
+                        {"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1
+                    )
+            config = model.config.__class__.from_dict(model.config.to_dict())
+            config.dtype = dtype
+            config.use_cache = True
+            config.save_pretrained(tmp)
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
     barrier()

@@ -403,11 +403,16 @@ def test_checkpoint_saved_by_2_ranks_resumes_on_1(dist_results):
     assert load["logits_step3_diff"] < 1e-6  # the next AdamW step from the loaded state matches
 
 
-def test_interrupted_save_keeps_previous_checkpoint(ranks):
+def test_a_failed_save_is_named_and_keeps_the_previous_checkpoint(ranks):
     for r in ranks:
+        # a full disk, as torch's writer reports it: named, the half-written folder removed
         assert r["crash_raised"]
+        message = r["crash_message"]
+        assert "writing checkpoint" in message and "global_step_3 failed" in message
+        assert "is full (5 MiB free)" in message and "global_step_2, is untouched" in message
+        assert "--resume_mode auto" in message
         assert r["latest_after_crash"] == "ckpt/global_step_2"
-        assert r["list_after_crash"] == [2] and r["tmp_left"]
+        assert r["list_after_crash"] == [2] and not r["tmp_left"]
         assert r["loaded_state_ws2"] == {
             "global_step": 2,
             "world_size": 2,

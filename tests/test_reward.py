@@ -1,8 +1,10 @@
 """reward.py: GSM8K scoring against a hand-worked table and verl's reference, dispatch, custom
 rewards, validation metrics (mean@k, pass@k, extras) by hand."""
 
+import os
 import random
 import re
+import time
 
 import pytest
 
@@ -326,3 +328,123 @@ def test_validation_metrics_by_hand():
         "val-core/b/reward/pass@2": 1.0,
         "val-aux/b/response_length/mean": 2.0,
     }
+
+
+# --- reward workers: in parallel, with a time limit ----------------------------------------------
+
+STALLING = """
+import os, sys, time
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    print("a print in the reward function")  # must not reach the outcomes' pipe
+    if solution_str == "spin":
+        while True:  # pure Python, never returns
+            pass
+    if solution_str == "sleep":
+        time.sleep(3600)
+    if solution_str == "exit":
+        os._exit(3)
+    if solution_str == "raise":
+        raise ValueError("no answer")
+    if solution_str == "slow":
+        time.sleep(1.0)
+    if solution_str == "pid":
+        return {"score": 1.0, "pid": os.getpid()}
+    return float(solution_str == ground_truth)
+"""
+
+
+@pytest.fixture
+def stalling(tmp_path):
+    path = tmp_path / "stalling.py"
+    path.write_text(STALLING)
+    return path
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (killed, not yet reaped by its parent) counts as gone
+        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_reward_workers_score_in_parallel_as_in_process(stalling):
+    responses, truths = ["7", "8", "x", "7"], ["7", "7", "x", "1"]
+    here = score_batch(reward.RewardFunction(stalling), ["a"] * 4, responses, truths, [None] * 4)
+    fn = reward.RewardFunction(stalling, workers=4)
+    try:
+        assert score_batch(fn, ["a"] * 4, responses, truths, [None] * 4) == here
+        # 4 calls of 1 s each in 4 workers: about 1 s, not 4
+        start = time.monotonic()
+        scores, _, _ = score_batch(fn, ["a"] * 4, ["slow"] * 4, ["slow"] * 4, [None] * 4)
+        assert scores == [1.0] * 4 and time.monotonic() - start < 3.0
+        _, extras, _ = score_batch(fn, ["a"] * 8, ["pid"] * 8, ["1"] * 8, [None] * 8)
+        assert {int(p) for p in extras["pid"]} <= {p.pid for p in fn.workers}
+    finally:
+        fn.close()
+
+
+def test_a_reward_call_that_stalls_dies_or_raises_is_a_reward_error(stalling, capfd):
+    fn = reward.RewardFunction(stalling, workers=2, timeout=1.0)
+    try:
+        start = time.monotonic()
+        responses = ["7", "spin", "exit", "raise", "sleep", "7"]
+        scores, _, n_errors = score_batch(
+            fn, ["gsm"] * 6, responses, ["7"] * 6, [None] * 6, reward_errors="zero"
+        )
+        assert scores == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0] and n_errors == 4
+        assert time.monotonic() - start < 8.0  # two stalls of 1 s each in parallel workers
+        err = capfd.readouterr().err
+        label = f"reward function compute_score in {stalling}"
+        assert f"{label} did not return within --reward_timeout 1.0 s on sample 1" in err
+        assert f"{label} ended its worker process (exit code 3) on sample 2" in err
+        assert f"{label} raised ValueError: no answer on sample 3" in err
+        assert "(data_source='gsm', response starts 'sleep'); scored 0.0" in err
+        assert "a print in the reward function" in err  # the function's prints: on stderr
+        # the workers that stalled or died were replaced: the next batch scores as before
+        assert score_batch(fn, ["gsm"] * 2, ["7", "8"], ["7", "7"], [None] * 2)[0] == [1.0, 0.0]
+        with pytest.raises(RuntimeError) as e:
+            score_batch(fn, ["gsm", "math"], ["7", "sleep"], ["7", "7"], [None] * 2)
+        assert "did not return within --reward_timeout 1.0 s on sample 1 (data_source='math'" in (
+            str(e.value)
+        ) and "Pass --reward_errors zero" in str(e.value)
+        pids = [p.pid for p in fn.workers]
+    finally:
+        fn.close()
+    assert not any(alive(p) for p in pids)
+
+
+KILLED_PARENT = """
+import sys, threading, time
+sys.path.insert(0, {root!r})
+import reward
+fn = reward.RewardFunction({path!r}, workers=2, timeout=60)
+late = []  # a worker started from another thread: the kernel's signal does not cover it
+threading.Thread(target=lambda: late.append(reward.RewardFunction({path!r}, workers=1))).start()
+time.sleep(2)
+print(" ".join(str(p.pid) for p in fn.workers + late[0].workers), flush=True)
+fn.call_all([dict(data_source="a", solution_str="spin", ground_truth="", extra_info=None)])
+"""
+
+
+def test_reward_workers_die_with_a_killed_trainer(stalling):
+    """kill -9 of the trainer while a worker spins in a call: no worker outlives it."""
+    import pathlib
+    import signal
+    import subprocess
+    import sys
+
+    code = KILLED_PARENT.format(root=str(pathlib.Path(reward.__file__).parent), path=str(stalling))
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 3 and all(alive(p) for p in pids)
+    time.sleep(0.5)  # the call is under way
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)

@@ -171,6 +171,19 @@ def test_phase_peaks_leave_out_the_sleeping_engines_pool(monkeypatch):
     assert plain["perf/max_memory_allocated_gb/save_checkpoint"] == 130.0
 
 
+def test_timer_keeps_the_phases_in_progress_for_a_stuck_runs_message():
+    timer = run.Timer({}, torch.device("cpu"))
+    with timer("step"):
+        with timer("gen"):
+            assert run.PHASES == ["step", "gen"]
+        with pytest.raises(ValueError), timer("update_actor"):
+            raise ValueError  # a phase that fails leaves the list too
+        assert run.PHASES == ["step"]
+    assert run.PHASES == []
+    where = run.Run.where(SimpleNamespace(reward_fn=SimpleNamespace(busy="calling it")))
+    assert where == "no phase (between two), calling it"
+
+
 def test_logger_close_finishes_the_background_loggers(tmp_path):
     """A finished run ends with os._exit, which runs no exit hooks: the run itself finishes the
     wandb run and writes tensorboard's pending events (stand-ins here: neither package is installed

@@ -317,22 +317,26 @@ def main(work: str) -> list[dict]:
     # --- 6. a save that dies midway leaves the previous checkpoint as the latest, and it loads
     real_save = sharding.dcp.save
 
-    def dying_save(state, checkpoint_id):
+    def dying_save(state, checkpoint_id):  # as torch's writer on a full disk
         os.makedirs(checkpoint_id, exist_ok=True)
         with open(os.path.join(checkpoint_id, f"__{dist.get_rank()}_0.distcp"), "w") as f:
             f.write("half written")
-        raise RuntimeError("killed mid-save")
+        raise RuntimeError("unexpected pos 704 vs 598")
 
+    real_usage = sharding.shutil.disk_usage
     sharding.dcp.save = dying_save
+    sharding.shutil.disk_usage = lambda path: real_usage(path)._replace(free=5 * 2**20)
     try:
         sharding.save_checkpoint(
             ckpt_root, 3, {"actor": model}, {"actor": opt}, {"actor": sched}, trainer_state
         )
         r["crash_raised"] = False
-    except RuntimeError:
+    except OSError as e:
         r["crash_raised"] = True
+        r["crash_message"] = str(e)
     finally:
         sharding.dcp.save = real_save
+        sharding.shutil.disk_usage = real_usage
     dist.barrier()
     latest = sharding.latest_checkpoint(ckpt_root)
     r["latest_after_crash"] = os.path.relpath(latest, work) if latest else None

@@ -1,0 +1,130 @@
+"""How a run ends when its reward function misbehaves, on CPU with the tiny model: a reward call
+that never returns fails as a reward error after --reward_timeout, under torchrun with 2 processes;
+a reward that raises on one rank ends both ranks within seconds, showing that rank's error; a
+SIGTERM ends a run stuck in a reward call within --stop_grace_s, naming the phase. The reward
+workers themselves: tests/test_reward.py."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.test_train_grpo import ROOT, flags, launch, make_assets, metrics_by_step
+from tests.tiny_model import free_port
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return make_assets(tmp_path_factory.mktemp("ending"))
+
+
+def reward_file(assets, name, body):
+    """A reward that scores as the end-to-end tests' and does `body` first."""
+    path = assets["tmp"] / f"{name}.py"
+    path.write_text(
+        "import os, sys, time\n"
+        "MARK = __file__ + '.mark'\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
+        + "".join(f"    {line}\n" for line in body.strip().splitlines())
+        + "    return sum(c.isalnum() for c in solution_str) / max(1, len(solution_str))\n"
+    )
+    return path
+
+
+def first_call(action):
+    """`action` on the first call of the whole run (a file made exclusively marks it)."""
+    return f"""
+try:
+    os.close(os.open(MARK, os.O_CREAT | os.O_EXCL))
+except FileExistsError:
+    pass
+else:
+    {action}
+"""
+
+
+def workers_alive(marker):
+    """Processes whose command line names `marker` (the reward workers of one run)."""
+    out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    return out.split()
+
+
+def test_a_reward_call_that_never_returns_times_out_under_two_ranks(assets):
+    """One call of the whole run never returns: with --reward_timeout it scores 0 as a reward
+    error, counted at its step, and the run trains its two steps; the workers end with it."""
+    path = reward_file(assets, "stalls_once", first_call("time.sleep(3600)"))
+    out = assets["tmp"] / "stalls_once_run"
+    timeout = ["--reward_workers", "2", "--reward_timeout", "3", "--reward_errors", "zero"]
+    args = flags(assets, out, "hf", 2, "disable", "--custom_reward_function_path", str(path))
+    proc = launch([*args, *timeout, "--test_freq", "-1"])
+    assert proc.returncode == 0, proc.output[-6000:]
+    assert (
+        f"reward function compute_score in {path} did not return within --reward_timeout 3.0 s"
+        in (proc.output)
+    )
+    m = metrics_by_step(out)
+    assert m[1]["reward/errors"] == 1 and m[2]["reward/errors"] == 0
+    assert not workers_alive(str(path))
+
+
+def test_a_reward_that_raises_on_one_rank_ends_both_within_seconds(assets):
+    """Rank 1's reward raises while rank 0 waits for it in a collective: both end, the error shown,
+    within seconds of it."""
+    raises = """
+if os.environ["RANK"] == "1":
+    open(MARK, "w").write(str(time.time()))
+    raise ValueError("a sample this function cannot read")
+"""
+    path = reward_file(assets, "raises_on_rank_1", raises)
+    out = assets["tmp"] / "raises_on_rank_1_run"
+    proc = launch(
+        flags(assets, out, "hf", 2, "disable", "--custom_reward_function_path", str(path))
+    )
+    ended = time.time()
+    assert proc.returncode != 0
+    raised = float(open(f"{path}.mark").read())
+    assert ended - raised < 15, proc.output[-6000:]
+    assert (
+        f"reward function compute_score in {path} raised ValueError: a sample this function "
+        "cannot read on sample 0"
+    ) in proc.output, proc.output[-6000:]
+    assert "[rank 1] Traceback" in proc.output and "[rank 0] stopping: rank 1 failed" in proc.output
+    # torchrun's summary names rank 1's error as the root cause, not rank 0's closed connection
+    root_cause = proc.output.split("Root Cause (first observed failure):")[1].split("exitcode")[0]
+    assert re.search(r"rank\s*: 1 ", root_cause), proc.output[-3000:]
+
+
+def test_sigterm_ends_a_run_stuck_in_a_reward_call(assets):
+    """A reward call that never returns (no time limit), then a SIGTERM: the run ends within
+    --stop_grace_s, saying where it was stuck."""
+    path = reward_file(assets, "spins", first_call("while True: pass"))
+    out = assets["tmp"] / "spins_run"
+    args = flags(assets, out, "hf", 2, "disable", "--custom_reward_function_path", str(path))
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    proc = subprocess.Popen(
+        [sys.executable, "train_grpo.py", *args, "--stop_grace_s", "3", "--test_freq", "-1"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while not os.path.exists(f"{path}.mark") and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(1.0)  # well inside the call
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    assert time.monotonic() - signalled < 3 + 5, output[-6000:]
+    assert proc.returncode == 128 + signal.SIGTERM, output[-6000:]
+    assert (
+        "a SIGTERM came 3 s ago (--stop_grace_s) and the run is still in phase step > gen, "
+        f"calling the reward function compute_score in {path} on sample 0"
+    ) in output, output[-6000:]
+    assert "--resume_mode auto continues from the last checkpoint" in output
