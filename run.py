@@ -41,8 +41,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import AutoTokenizer, HfArgumentParser
+from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 
+import memory
 import reward
 import sharding
 from batches import batch_metrics, round_metrics, validate
@@ -109,7 +110,13 @@ class RunArgs:
         ge=0,
         also=(-1,),
     )
-    gpu_memory_utilization: float = flag(0.6, "vLLM's share of GPU memory while awake", gt=0, le=1)
+    gpu_memory_utilization: float | None = flag(
+        None,
+        "vLLM's share of GPU memory while awake; default: what the memory planner leaves it, at "
+        "most 0.6",
+        gt=0,
+        le=1,
+    )
     max_num_seqs: int = flag(
         1024,
         "sequences vLLM decodes at once; the rest of a step's batch waits for free slots",
@@ -135,13 +142,23 @@ class RunArgs:
     # micro-batches: each pass's size, by count or (--use_dynamic_bsz) by token budget
     ppo_micro_batch_size_per_gpu: int = flag(4, "sequences per forward/backward", ge=1)
     log_prob_micro_batch_size_per_gpu: int = flag(8, "sequences per log-prob forward", ge=1)
-    use_dynamic_bsz: bool = flag(
-        False,
+    use_dynamic_bsz: bool | None = flag(
+        None,
         "micro-batches by token budget (the *_max_token_len_per_gpu flags) instead of sequence "
-        "count",
+        "count; default: on a GPU unless a *_micro_batch_size_per_gpu flag is given",
     )
-    ppo_max_token_len_per_gpu: int = flag(16384, "tokens per forward/backward", ge=1)
-    log_prob_max_token_len_per_gpu: int = flag(16384, "tokens per log-prob forward", ge=1)
+    ppo_max_token_len_per_gpu: int | None = flag(
+        None, "tokens per forward/backward; default: the memory planner's (16384 on a CPU)", ge=1
+    )
+    log_prob_max_token_len_per_gpu: int | None = flag(
+        None, "tokens per log-prob forward; default: the memory planner's (16384 on a CPU)", ge=1
+    )
+    print_plan: bool = flag(
+        False, "print the memory plan (each phase's predicted peak, the budgets) and exit"
+    )
+    gpu_memory_gib: float | None = flag(
+        None, "plan for a GPU of this many GiB instead of the visible one", gt=0
+    )
     # the learning rate's schedule
     lr_warmup_steps: int = flag(-1, "-1: use lr_warmup_steps_ratio", ge=0, also=(-1,))
     lr_warmup_steps_ratio: float = flag(0.0, "warmup as a fraction of all steps", ge=0, le=1)
@@ -230,13 +247,13 @@ class RunArgs:
         "(tokens, vocabulary) logits: less memory for one more matmul of the output layer (verl's "
         "flag; here for the passes with a gradient only)",
     )
-    compile_update: bool = flag(
-        False,
+    compile_update: bool | None = flag(
+        None,
         "compile the decoder layers in the updates (the actor's, and PPO's critic's; forward and "
         "backward) too, where --compile_layers compiles (--use_torch_compile already covers the "
-        "actor's log-prob math): pays off with large micro-batches (--use_dynamic_bsz, "
-        "--ppo_max_token_len_per_gpu 49152 on an H200), costs compiling in step 1 (about 30 s for "
-        "GRPO's actor on a fresh H200, docs/benchmarks.md)",
+        "actor's log-prob math): pays off with large micro-batches (--ppo_max_token_len_per_gpu "
+        "49152 on an H200), costs compiling in step 1 (about 30 s for GRPO's actor on a fresh "
+        "H200, docs/benchmarks.md); default: on with token budgets on a GPU",
     )
     # reward
     custom_reward_function_path: str | None = flag(None, "a .py file")
@@ -325,7 +342,7 @@ def check_args(args, world_size):
     budgets += ["critic_ppo_max_token_len_per_gpu"] if hasattr(args, "critic_model") else []
     for name in budgets:
         need(
-            not args.use_dynamic_bsz or getattr(args, name) >= longest,
+            not args.use_dynamic_bsz or (getattr(args, name) or longest) >= longest,
             f"--{name} {getattr(args, name)} must hold the longest sequence, --max_prompt_length + "
             f"--max_response_length = {longest}",
         )
@@ -731,6 +748,7 @@ class Run:
         )
         self.step, self.models, self.optimizers, self.schedulers = 0, {}, {}, {}
         self.state, self.last_row = {}, None
+        self.plan = None  # the memory plan (memory.plan) on a GPU
         self.engine, self.logger, self.stop, self.bar, self.stopping = None, None, None, None, False
 
     def resume(self, models, optimizers, schedulers):
@@ -929,6 +947,11 @@ class Run:
             "training/epoch": batch.epoch,
             "timing_s/since_launch": seconds_since_launch(),
         }
+        if self.plan is not None:  # the memory planner's prediction beside each measured peak
+            metrics |= {
+                f"perf/planned_memory_gb/{phase}": peak / 2**30
+                for phase, (peak, _) in self.plan.phases.items()
+            }
         perf = (self.config, tokens / n_seqs, tokens, responses, self.peak_flops, args.ppo_epochs)
         metrics |= phase_perf(t, *perf, self.push_bytes)
         if source.overlap:  # the generation's own time, beside the previous step's training
@@ -1025,12 +1048,110 @@ def check_paths(args):
         )
 
 
+def given_flags():
+    """The flags named on the command line (a default left alone is not among them)."""
+    return {a[2:].split("=")[0].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")}
+
+
+def plan_memory(args, world, device, prompt_len):
+    """Fill the speed and memory flags left to their defaults: on a GPU (or for --gpu_memory_gib),
+    micro-batches by the token budgets the memory planner picks, the update compiled, the engine's
+    share of what the trainer leaves; on a CPU, the small fixed ones. Returns the plan (None on a
+    CPU without --gpu_memory_gib). A flag given on the command line always wins, and a per-sequence
+    micro-batch size given there keeps verl's meaning (no token budgets)."""
+    gpu = device.type == "cuda"
+    planning = gpu or args.print_plan or args.gpu_memory_gib is not None
+    critic = hasattr(args, "critic_model")
+    per_sequence = {"ppo_micro_batch_size_per_gpu", "log_prob_micro_batch_size_per_gpu"}
+    per_sequence |= {"critic_ppo_micro_batch_size_per_gpu"} if critic else set()
+    if args.use_dynamic_bsz is None:
+        args.use_dynamic_bsz = planning and not (per_sequence & given_flags())
+    memory_bytes = None
+    if args.gpu_memory_gib:
+        memory_bytes = int(args.gpu_memory_gib * 2**30)
+    elif gpu:
+        memory_bytes = torch.cuda.get_device_properties(device).total_memory
+    names = {"update": "ppo_max_token_len_per_gpu", "log_prob": "log_prob_max_token_len_per_gpu"}
+    names |= {"critic": "critic_ppo_max_token_len_per_gpu"} if critic else {}
+    plan = None
+    if memory_bytes:
+        compile_update = args.compile_update
+        if compile_update is None:
+            compile_update = args.use_dynamic_bsz and args.compile_layers is not False
+        kl = args.use_kl_loss or args.use_kl_in_reward
+        plan = memory.plan(
+            memory.Shape.of(AutoConfig.from_pretrained(args.model)),
+            memory_bytes,
+            world=world,
+            prompt_len=prompt_len,
+            response_len=args.max_response_length,
+            batch_seqs=args.train_batch_size * args.rollout_n // world,
+            mini_batch_seqs=args.ppo_mini_batch_size * args.rollout_n // world,
+            critic=critic,
+            reference=kl,
+            gradient_checkpointing=args.enable_gradient_checkpointing,
+            critic_gradient_checkpointing=getattr(args, "critic_enable_gradient_checkpointing", 0),
+            fused_kernels=args.use_fused_kernels,
+            compiled_log_probs=args.use_torch_compile is not False,
+            compile_update=compile_update,
+            param_offload=args.param_offload,
+            optimizer_offload=args.optimizer_offload,
+            ref_param_offload=args.ref_param_offload,
+            critic_param_offload=getattr(args, "critic_param_offload", False),
+            critic_optimizer_offload=getattr(args, "critic_optimizer_offload", False),
+            engine_share=args.gpu_memory_utilization,
+            budgets={k: getattr(args, v) for k, v in names.items() if getattr(args, v)},
+        )
+    if args.compile_update is None:
+        args.compile_update = planning and args.use_dynamic_bsz and args.compile_layers is not False
+    if plan is not None:
+        for key, name in names.items():
+            setattr(args, name, getattr(args, name) or plan.budgets[key])
+        if args.gpu_memory_utilization is None:
+            args.gpu_memory_utilization = math.floor(plan.engine_share * 100) / 100
+    for name in names.values():  # a CPU's, or the per-sequence micro-batches' unused ones
+        setattr(args, name, getattr(args, name) or 16384)
+    args.compile_update = bool(args.compile_update)
+    if args.gpu_memory_utilization is None:
+        args.gpu_memory_utilization = 0.6
+    return plan
+
+
+def plan_message(plan, args):
+    """The plan's table and the flags it set, or what to change when it does not fit."""
+    lines = [plan.table()]
+    if plan.fits:
+        chosen = [
+            f"--{k} {getattr(args, k)}"
+            for k in (
+                "use_dynamic_bsz",
+                "ppo_max_token_len_per_gpu",
+                "log_prob_max_token_len_per_gpu",
+                "critic_ppo_max_token_len_per_gpu",
+                "compile_update",
+                "gpu_memory_utilization",
+            )
+            if hasattr(args, k)
+        ]
+        lines.append("  with " + " ".join(chosen))
+    else:
+        lines.append("  to fit, try: " + "; ".join(memory.advice(args)))
+    return "\n".join(lines)
+
+
 def start(args, check_args):
     """Start a run: the process group, the flags checked (the script's `check_args`), the reward
     function, seeds, tokenizer, data and the number of steps. Refuses a fresh run (--resume_mode
     disable) in a folder that holds another run's checkpoints."""
     rank, world, device = init_distributed()
     check_args(args, world)
+    if args.print_plan:  # the model's config only: no weights, no data
+        plan = plan_memory(args, world, device, args.max_prompt_length)
+        if plan is None:
+            need(False, "--print_plan: no GPU is visible; say which with --gpu_memory_gib G")
+        if rank == 0:
+            print(plan_message(plan, args), flush=True)
+        raise SystemExit(0)
     check_paths(args)
     lock = lock_folder(args.default_local_dir) if rank == 0 else None
     if args.resume_mode == "disable" and sharding.list_checkpoints(args.default_local_dir):
@@ -1075,10 +1196,19 @@ def start(args, check_args):
             f"{args.train_files} holds {len(train)} usable prompts, fewer than {flag} "
             f"{max(args.train_batch_size, G)}",
         )
+    # the memory plan, before any weights load: the prompts' mean length from the data
+    prompts = train or val
+    mean_prompt = np.mean([len(e.prompt_ids) for e in prompts.examples]) if prompts else 0
+    plan = plan_memory(args, world, device, int(mean_prompt) or args.max_prompt_length)
+    if plan is not None:
+        need(plan.fits, plan_message(plan, args))
+        if rank == 0:
+            print(plan_message(plan, args), flush=True)
     steps_per_epoch = len(train) // args.train_batch_size if train else 0
     total_steps = args.total_training_steps or steps_per_epoch * args.total_epochs
     run = Run(args, rank, world, device, reward_fn, tokenizer, train, val, total_steps)
     run.lock = lock  # held until the run ends
+    run.plan = plan
     return run
 
 
@@ -1204,9 +1334,23 @@ def fail(error):
     os._exit(1)
 
 
+def bare_switches(Args, argv=None):
+    """The command line with `true` after a bare switch whose default is None (chosen at start-up:
+    --use_dynamic_bsz, --compile_update, ...), so it reads as the plain switches do."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    tristate = {f"--{f.name}" for f in fields(Args) if f.type in (bool | None, "bool | None")}
+    out = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        following = argv[i + 1] if i + 1 < len(argv) else "--"
+        if arg in tristate and following.startswith("--"):
+            out.append("true")
+    return out
+
+
 def launch(main, Args):
     """The command line: parse the flags into the script's Args, run `main`, end the process."""
-    (parsed,) = HfArgumentParser(Args).parse_args_into_dataclasses()
+    (parsed,) = HfArgumentParser(Args).parse_args_into_dataclasses(bare_switches(Args))
     try:
         main(parsed)
     except BaseException as error:

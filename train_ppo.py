@@ -65,7 +65,7 @@ class Args(run.RunArgs):
     critic_weight_decay: float = flag(0.01, "critic AdamW weight decay", ge=0)
     critic_warmup: int = flag(0, "the first N steps update only the critic (verl's: N - 1)", ge=0)
     critic_ppo_micro_batch_size_per_gpu: int = flag(4, "sequences per critic forward", ge=1)
-    critic_ppo_max_token_len_per_gpu: int = flag(32768, "critic's, --use_dynamic_bsz", ge=1)
+    critic_ppo_max_token_len_per_gpu: int | None = flag(None, "critic's; as the actor's", ge=1)
     critic_grad_clip: float = flag(1.0, "critic's max global gradient norm", gt=0)
     cliprange_value: float = flag(0.5, "new values kept within old +- this", gt=0)
     vf_coef: float = flag(1.0, "scales the critic's loss (acts via --critic_grad_clip)", gt=0)
@@ -74,7 +74,6 @@ class Args(run.RunArgs):
     critic_optimizer_offload: bool = flag(False, "critic optimizer state on CPU")
     # the quickstart's shape and cadence (run.RunArgs' defaults are GRPO's)
     max_response_length: int = flag(512, "tokens generated at most", ge=1)
-    gpu_memory_utilization: float = flag(0.4, "vLLM's share of GPU memory while awake", gt=0, le=1)
     save_freq: int = flag(
         10, "checkpoint every N steps, the last, on a stop (-1: never)", ge=1, also=(-1,)
     )

@@ -5,6 +5,10 @@
 #                                   # memory, parity, the host's time while generating by part of vLLM (--profile)
 #   bash bench/gpu_all.sh sync      # bench_engine without the plain vLLM run (ours, sync, sleep/wake, parity)
 #   bash bench/gpu_all.sh grpo      # 3 GRPO steps of the tutorial shape + the per-phase table
+#   bash bench/gpu_all.sh card card_ppo  # the README's command, data paths only (the defaults), 5 steps, +
+#                                   # the per-phase table and the memory plan against the measured peaks
+#   bash bench/gpu_all.sh plan_grpo plan_ppo  # the same, 3 steps, on a random-init model of Qwen2.5-0.5B's shape
+#                                   # (responses at the length limit, as the planner plans them)
 #   bash bench/gpu_all.sh grpo_compiled  # 5 GRPO steps, update compiled, 49k/64k-token micro-batches
 #   bash bench/gpu_all.sh grpo_off_policy  # the same with --one_step_off_policy (the next batch generated while
 #                                   # a step trains; the engine awake throughout, at 0.3 of the GPU's memory)
@@ -24,6 +28,7 @@
 #   bash bench/gpu_all.sh profile   # log-prob and update passes, eager, compiled and fused: TFLOP/s, host vs device, kernels,
 #                                   # where compiling took its time and why it recompiled
 #   bash bench/gpu_all.sh qwen3     # 1 GRPO step of the Qwen3-1.7B tutorial shape on a random-init Qwen3-1.7B
+#   bash bench/gpu_all.sh plan_qwen3  # the same with the memory planner's budgets, + the plan against the peaks
 #   bash bench/gpu_all.sh fused     # --use_fused_kernels: the output layer alone, bf16, at Qwen2.5-0.5B's and
 #                                   # Qwen3-1.7B's width (bench/fused_head.py); the update's peak memory and speed
 #                                   # on the random Qwen3-1.7B with gradient checkpointing, with and without it
@@ -63,6 +68,8 @@ data="--train_files $DATA/train.parquet --val_files $DATA/test.parquet"
 # the random-init Qwen3-1.7B of the qwen3 and fused parts, written once per machine (bench/random_model.py)
 qwen3=/tmp/models/random-qwen3-1.7b
 make_qwen3="$PY bench/random_model.py --shape qwen3-1.7b --tokenizer $MODEL --out $qwen3"
+random05=/tmp/models/random-qwen2.5-0.5b
+make_random05="$PY bench/random_model.py --shape qwen2.5-0.5b --tokenizer $MODEL --out $random05"
 # the learning run: the tutorial's GRPO settings with response length 512, lr 5e-6 and the update compiled at
 # the micro-batches where that pays (docs/benchmarks.md); stopped by LIMIT, resumed by the next call. Each
 # validation's responses go to LEARN_DIR/val_generations/STEP.jsonl
@@ -95,6 +102,15 @@ for part in "${parts[@]}"; do
                    --out $OUT/pool_$k --engines_per_gpu $k"
             done ;;
     sync)   cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/bench_engine.py --model $MODEL --out $OUT" ;;
+    card|card_ppo) script=train_grpo.py; [ $part = card_ppo ] && script=train_ppo.py
+            cmd="$PY -m torch.distributed.run --nproc_per_node=1 $script --model $MODEL $data \
+                 --total_training_steps 5 --default_local_dir $RUNS/$part && cp $RUNS/$part/metrics.jsonl \
+                 $OUT/$part.jsonl && $PY bench/phase_table.py $OUT/$part.jsonl $plain && \
+                 $PY bench/plan_table.py $OUT/$part.jsonl" ;;
+    plan_grpo|plan_ppo) script=train_grpo.py; [ $part = plan_ppo ] && script=train_ppo.py
+            cmd="$make_random05 && $PY -m torch.distributed.run --nproc_per_node=1 $script --model $random05 \
+                 $data $steps --default_local_dir $RUNS/$part && cp $RUNS/$part/metrics.jsonl $OUT/$part.jsonl && \
+                 $PY bench/phase_table.py $OUT/$part.jsonl $plain && $PY bench/plan_table.py $OUT/$part.jsonl" ;;
     grpo)   cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data $steps $fast \
                  --default_local_dir $OUT/grpo && $PY bench/phase_table.py $OUT/grpo/metrics.jsonl $plain" ;;
     ppo)    cmd="$PY -m torch.distributed.run --nproc_per_node=1 train_ppo.py --model $MODEL $data $steps $fast \
@@ -116,6 +132,13 @@ for part in "${parts[@]}"; do
                  --resume_mode disable --train_batch_size 1024 --rollout_n 3 --ppo_mini_batch_size 80 \
                  --max_response_length 1024 --enable_gradient_checkpointing --ref_param_offload \
                  --default_local_dir $OUT/qwen3 $QWEN3_ARGS && $PY bench/phase_table.py $OUT/qwen3/metrics.jsonl $plain" ;;
+    # the same with the memory planner's defaults (no $fast), + the plan against the measured peaks
+    plan_qwen3) cmd="$make_qwen3 && $PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $qwen3 \
+                 $data --total_training_steps 1 --val_before_train false --test_freq -1 --export_final false \
+                 --resume_mode disable --train_batch_size 1024 --rollout_n 3 --ppo_mini_batch_size 80 \
+                 --max_response_length 1024 --enable_gradient_checkpointing --ref_param_offload \
+                 --default_local_dir $RUNS/plan_qwen3 && cp $RUNS/plan_qwen3/metrics.jsonl $OUT/plan_qwen3.jsonl && \
+                 $PY bench/phase_table.py $OUT/plan_qwen3.jsonl $plain && $PY bench/plan_table.py $OUT/plan_qwen3.jsonl" ;;
     fused)  cmd="$PY bench/fused_head.py --dtype bfloat16 --tokens 12288 49152 && \
                  $PY bench/fused_head.py --dtype bfloat16 --hidden 2048 --tokens 12288 49152 && \
                  $make_qwen3 && $PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py \
@@ -150,7 +173,7 @@ for part in "${parts[@]}"; do
     profile) cmd="TORCH_LOGS=recompiles $PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT \
                   --modes eager all train fused --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 \
                   --repeats 2" ;;
-    *) echo "unknown part $part (test, engine, engine_pool, sync, grpo, grpo_compiled, grpo_pool, grpo_off_policy,"\
+    *) echo "unknown part $part (test, engine, engine_pool, sync, card, card_ppo, plan_grpo, plan_ppo, plan_qwen3, grpo, grpo_compiled, grpo_pool, grpo_off_policy,"\
             "ppo, learn, learn_filter, val, profile, qwen3, scale, fused, scale_1, scale_1_warm,"\
             "scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
   esac
