@@ -565,8 +565,11 @@ class Logger:
         if "wandb" in self.kinds:
             import wandb
 
-            self.wandb = wandb.init(
-                project=args.project_name, name=args.experiment_name, config=asdict(args)
+            self.wandb = wandb.init(  # its files (an offline run's too) beside metrics.jsonl
+                project=args.project_name,
+                name=args.experiment_name,
+                config=asdict(args),
+                dir=out_dir,
             )
         if "tensorboard" in self.kinds:
             from torch.utils.tensorboard import SummaryWriter

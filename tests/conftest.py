@@ -18,12 +18,17 @@ SLOW_FIRST = [
     "test_train_grpo_filter.py",
     "test_bench.py",
     "test_sharding.py",
+    "test_examples.py",
     "test_train_grpo_off_policy.py",
     "test_compile_ahead.py",
+    "test_ending.py",
     "test_engine.py",
     "test_fork.py",
     "test_gpu_scripts.py",
     "test_demo.py",
+    "test_memory.py",
+    "test_loggers.py",
+    "test_docs.py",
 ]
 
 

@@ -261,12 +261,9 @@ def test_defaults_reproduce_the_reference_run():
         args.critic_ppo_micro_batch_size_per_gpu,
         args.log_prob_micro_batch_size_per_gpu,
     ) == (64, 4, 4, 8)
-    assert (args.gpu_memory_utilization, args.save_freq, args.test_freq, args.total_epochs) == (
-        0.4,
-        10,
-        10,
-        15,
-    )
+    assert (args.save_freq, args.test_freq, args.total_epochs) == (10, 10, 15)
+    # the engine's share (verl's quickstart: 0.4) is the memory planner's on a GPU (memory.py)
+    assert args.gpu_memory_utilization is None
     assert not args.val_before_train
     assert (args.gamma, args.lam, args.cliprange_value) == (1.0, 1.0, 0.5)
     assert args.critic_model == args.model

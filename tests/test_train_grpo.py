@@ -183,9 +183,15 @@ def flags(assets, out_dir, engine, steps, resume="disable", *extra):
     ]
 
 
-def launch(args, nproc=2, timeout=300):
-    """train_grpo.py under torchrun (nproc > 0) or as a plain single process (nproc = 0)."""
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "MASTER_PORT": str(free_port())}
+def launch(args, nproc=2, timeout=300, env=None):
+    """train_grpo.py under torchrun (nproc > 0) or as a plain single process (nproc = 0), with
+    `env` added to the environment."""
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "MASTER_PORT": str(free_port()),
+        **(env or {}),
+    }
     cmd = [sys.executable, "train_grpo.py", *args]
     if nproc:
         cmd = [

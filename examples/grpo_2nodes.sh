@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The GRPO tutorial on two nodes: run this same script on each, with HEAD_NODE_IP the address of one
+# of them (torchrun's c10d rendezvous; no Ray). Every node must see the checkpoint folder
+# (--default_local_dir on a shared file system); --resume_mode auto (the default) resumes from it.
+set -euo pipefail
+ROOT=$(dirname "$0")/..  # the train scripts
+MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
+DATA=${DATA:-$HOME/data/gsm8k}
+${TORCHRUN:-torchrun} --nnodes=2 --nproc_per_node=${NPROC:-8} --rdzv_backend=c10d \
+    --rdzv_endpoint=${HEAD_NODE_IP:?set HEAD_NODE_IP}:${PORT:-29500} \
+    --rdzv_id=${RDZV_ID:-grpo_2nodes} \
+    "$ROOT/train_grpo.py" --model "$MODEL" \
+    --train_files "$DATA/train.parquet" --val_files "$DATA/test.parquet" \
+    --default_local_dir ${CKPT_DIR:-checkpoints/grpo_gsm8k/2nodes} "$@"

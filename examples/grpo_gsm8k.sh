@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# verl's GSM8K GRPO tutorial (Qwen2.5-0.5B-Instruct, 256 prompts x 5, KL loss 0.001 low_var_kl, lr
+# 1e-6, responses up to 1,024 tokens) on one GPU: the defaults. On one H200 a step took 23.5 s
+# (median of steps 2-5, 2026-12-02, docs/benchmarks.md "Fast by default"). Extra flags go after the
+# script's name: bash examples/grpo_gsm8k.sh --total_training_steps 5
+set -euo pipefail
+ROOT=$(dirname "$0")/..  # the train scripts
+MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
+DATA=${DATA:-$HOME/data/gsm8k}  # python data/gsm8k.py --local_save_dir $DATA
+${TORCHRUN:-torchrun} --nproc_per_node=${NPROC:-1} "$ROOT/train_grpo.py" --model "$MODEL" \
+    --train_files "$DATA/train.parquet" --val_files "$DATA/test.parquet" "$@"

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# verl's PPO quickstart on GSM8K (Qwen2.5-0.5B-Instruct with a critic on the same body, 256 prompts
+# x 1, responses up to 512, KL in the reward 0.001): the defaults of train_ppo.py. On one H200 a
+# step took 6.3 s (median of steps 2-5, 2026-12-02).
+set -euo pipefail
+ROOT=$(dirname "$0")/..  # the train scripts
+MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
+DATA=${DATA:-$HOME/data/gsm8k}
+${TORCHRUN:-torchrun} --nproc_per_node=${NPROC:-1} "$ROOT/train_ppo.py" --model "$MODEL" \
+    --train_files "$DATA/train.parquet" --val_files "$DATA/test.parquet" "$@"
