@@ -313,8 +313,9 @@ def _receive(f):
     head = f.read(8)
     if len(head) < 8:
         return None
-    data = f.read(struct.unpack("<Q", head)[0])
-    return pickle.loads(data)
+    size = struct.unpack("<Q", head)[0]
+    data = f.read(size)
+    return pickle.loads(data) if len(data) == size else None  # cut short: it died mid-message
 
 
 def _serve(path, name, parent, parent_death_signal):

@@ -448,3 +448,14 @@ def test_reward_workers_die_with_a_killed_trainer(stalling):
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
+
+
+def test_a_message_cut_short_reads_as_a_dead_worker():
+    import io
+    import pickle
+    import struct
+
+    whole = pickle.dumps(("ok", 1.0))
+    assert reward._receive(io.BytesIO(struct.pack("<Q", len(whole)) + whole)) == ("ok", 1.0)
+    assert reward._receive(io.BytesIO(struct.pack("<Q", len(whole)) + whole[:3])) is None
+    assert reward._receive(io.BytesIO(b"\x01\x02")) is None
