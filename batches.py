@@ -53,6 +53,26 @@ class Batch:
     checked: list  # the rows of `samples` the engine reported them for
 
 
+def score(examples, outs, n, tokenizer, reward_fn, args):
+    """Decode the n responses of each example and score them: (texts, scores, flexible, extras,
+    n_errors), one entry per response. flexible is GSM8K's last-number score (NaN for a data source
+    without a built-in scorer), the reward function's extras and errors as reward.score_batch's."""
+    texts = tokenizer.batch_decode(
+        [s.token_ids for out in outs for s in out], skip_special_tokens=True
+    )
+    sources = [e.data_source for e in examples for _ in range(n)]
+    truths = [e.ground_truth for e in examples for _ in range(n)]
+    infos = [e.extra_info for e in examples for _ in range(n)]
+    scores, extras, n_errors = reward.score_batch(
+        reward_fn, sources, texts, truths, infos, args.reward_errors
+    )
+    flexible = [
+        reward.compute_score(s, t, g, i, method="flexible") if s in reward.SCORERS else float("nan")
+        for s, t, g, i in zip(sources, texts, truths, infos)
+    ]
+    return texts, scores, flexible, extras, n_errors
+
+
 def rollout(engine, examples, args, tokenizer, reward_fn, seed, n, temperature, group=None):
     """Generate n responses per prompt and score them; returns the groups of all ranks, in order.
 
@@ -77,19 +97,7 @@ def rollout(engine, examples, args, tokenizer, reward_fn, seed, n, temperature, 
         logprobs=check,
     )
     mine, outs = mine[my_slice], outs[my_slice]
-    texts = tokenizer.batch_decode(
-        [s.token_ids for out in outs for s in out], skip_special_tokens=True
-    )
-    sources = [e.data_source for e in mine for _ in range(n)]
-    truths = [e.ground_truth for e in mine for _ in range(n)]
-    infos = [e.extra_info for e in mine for _ in range(n)]
-    scores, extras, n_errors = reward.score_batch(
-        reward_fn, sources, texts, truths, infos, args.reward_errors
-    )
-    flexible = [
-        reward.compute_score(s, t, g, i, method="flexible") if s in reward.SCORERS else float("nan")
-        for s, t, g, i in zip(sources, texts, truths, infos)
-    ]
+    texts, scores, flexible, extras, n_errors = score(mine, outs, n, tokenizer, reward_fn, args)
     groups = []
     for i, (e, out) in enumerate(zip(mine, outs)):
         k = slice(i * n, (i + 1) * n)
@@ -549,19 +557,7 @@ def validate(engine, val, args, tokenizer, reward_fn, step, n=1, temperature=0.0
         seed=args.seed,
         logprobs=False,
     )
-    texts = tokenizer.batch_decode(
-        [s.token_ids for out in outs for s in out], skip_special_tokens=True
-    )
-    sources = [e.data_source for e in share for _ in range(n)]
-    truths = [e.ground_truth for e in share for _ in range(n)]
-    infos = [e.extra_info for e in share for _ in range(n)]
-    strict, extras, _ = reward.score_batch(
-        reward_fn, sources, texts, truths, infos, args.reward_errors
-    )
-    flex = [
-        reward.compute_score(s, t, g, method="flexible") if s in reward.SCORERS else float("nan")
-        for s, t, g in zip(sources, texts, truths)
-    ]
+    texts, strict, flex, extras, _ = score(share, outs, n, tokenizer, reward_fn, args)
     # (index in the data, group) from every rank, then rank 0 writes them in order
     if args.validation_data_dir:
         groups = [
