@@ -1069,6 +1069,9 @@ def plan_memory(args, world, device, prompt_len):
     per_sequence |= {"critic_ppo_micro_batch_size_per_gpu"} if critic else set()
     if args.use_dynamic_bsz is None:
         args.use_dynamic_bsz = planning and not (per_sequence & given_flags())
+    if args.compile_update is None:
+        args.compile_update = planning and args.use_dynamic_bsz and args.compile_layers is not False
+    args.compile_update = bool(args.compile_update)
     memory_bytes = None
     if args.gpu_memory_gib:
         memory_bytes = int(args.gpu_memory_gib * 2**30)
@@ -1078,9 +1081,6 @@ def plan_memory(args, world, device, prompt_len):
     names |= {"critic": "critic_ppo_max_token_len_per_gpu"} if critic else {}
     plan = None
     if memory_bytes:
-        compile_update = args.compile_update
-        if compile_update is None:
-            compile_update = args.use_dynamic_bsz and args.compile_layers is not False
         kl = args.use_kl_loss or args.use_kl_in_reward
         plan = memory.plan(
             memory.Shape.of(AutoConfig.from_pretrained(args.model)),
@@ -1096,7 +1096,7 @@ def plan_memory(args, world, device, prompt_len):
             critic_gradient_checkpointing=getattr(args, "critic_enable_gradient_checkpointing", 0),
             fused_kernels=args.use_fused_kernels,
             compiled_log_probs=args.use_torch_compile is not False,
-            compile_update=compile_update,
+            compile_update=args.compile_update,
             param_offload=args.param_offload,
             optimizer_offload=args.optimizer_offload,
             ref_param_offload=args.ref_param_offload,
@@ -1105,8 +1105,6 @@ def plan_memory(args, world, device, prompt_len):
             engine_share=args.gpu_memory_utilization,
             budgets={k: getattr(args, v) for k, v in names.items() if getattr(args, v)},
         )
-    if args.compile_update is None:
-        args.compile_update = planning and args.use_dynamic_bsz and args.compile_layers is not False
     if plan is not None:
         for key, name in names.items():
             setattr(args, name, getattr(args, name) or plan.budgets[key])
@@ -1114,7 +1112,6 @@ def plan_memory(args, world, device, prompt_len):
             args.gpu_memory_utilization = math.floor(plan.engine_share * 100) / 100
     for name in names.values():  # a CPU's, or the per-sequence micro-batches' unused ones
         setattr(args, name, getattr(args, name) or 16384)
-    args.compile_update = bool(args.compile_update)
     if args.gpu_memory_utilization is None:
         args.gpu_memory_utilization = 0.6
     return plan
@@ -1357,7 +1354,9 @@ def launch(main, Args):
     try:
         main(parsed)
     except BaseException as error:
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if isinstance(error, SystemExit) and error.code in (0, None):  # --print_plan: done
+            _finished.set()
+        elif dist.is_initialized() and dist.get_world_size() > 1:
             fail(error)  # ends the process
         reward.close_all()
         raise
