@@ -211,9 +211,6 @@ class RewardFunction:
             [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
 
-    def __call__(self, **kwargs):
-        return self.fn(**kwargs)
-
     def call_all(self, calls):
         with self.lock:
             try:
@@ -393,12 +390,14 @@ def score_batch(
             )
             score = _number(out.get("score") if isinstance(out, dict) else out)
         if score is None:
-            what = {
-                "ok": lambda: f"returned {type(out).__name__} {str(out)[:100]!r}",
-                "error": lambda: f"raised {out}",
-                "timeout": lambda: f"did not return within --reward_timeout {out} s",
-                "died": lambda: f"ended its worker process (exit code {out})",
-            }[kind]()
+            if kind == "ok":
+                what = f"returned {type(out).__name__} {str(out)[:100]!r}"
+            elif kind == "error":
+                what = f"raised {out}"
+            elif kind == "timeout":
+                what = f"did not return within --reward_timeout {out} s"
+            else:  # died
+                what = f"ended its worker process (exit code {out})"
             where = _where(i, call["data_source"], call["solution_str"])
             message = f"reward function {label} {what} on {where}"
             if kind == "ok":
