@@ -788,6 +788,15 @@ class Run:
                 print(f"resumed from {resume} (step {self.step})", flush=True)
             self.apply_flags(state.get("args", {}), optimizers, schedulers, settings)
         self.state = state
+        # the optimizers' state exists from step 1 on (the memory plan's peaks hold from there),
+        # where --optimizer_offload keeps it between updates
+        offload = {"actor": args.optimizer_offload}
+        offload["critic"] = getattr(args, "critic_optimizer_offload", False)
+        for role, opt in optimizers.items():
+            if not args.val_only:
+                sharding.init_optimizer_state(opt)
+            if offload.get(role):
+                sharding.move_optimizer_state(opt, "cpu")
         # the checkpoint's own metrics row, for a metrics.jsonl that lost it: only in its own folder
         # (a run resumed from another run's checkpoint starts its log at the step after it)
         folder = os.path.dirname(os.path.normpath(resume)) if resume else None

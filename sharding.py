@@ -532,6 +532,35 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device 
         torch.cuda.synchronize()
 
 
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Make the optimizer's state now rather than at its first step (AdamW: the step count and both
+    moments at 0, 2x the parameters in fp32), so step 1 holds the memory every later step holds:
+    the memory plan is met, or not, from the first step on (without this, step 2 is the first to
+    generate and run the log-prob passes beside AdamW's state). Made by torch's own code, as
+    torch.distributed.checkpoint makes it: one step on zero gradients at learning rate 0, which
+    leaves the parameters as they were (weight decay multiplies them by 1 - 0), then the step count
+    back to 0; the first real step is AdamW's first step, bit for bit. No-op when a state exists (a
+    resumed checkpoint's)."""
+    if optimizer.state:
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"].zero_()
+        elif "step" in state:
+            state["step"] = 0
+
+
 # --- the passes: packing, micro-batches, log-probs and values; loading; compiling ahead -----------
 #
 # A train script's phases 3 and 5 run these over a rank's share of the batch, a list of (prompt_ids,

@@ -598,3 +598,32 @@ def test_load_critic_turns_the_heads_dropout_off(tmp_path, monkeypatch):
     critic = sharding.load_critic(path, torch.device("cpu"), train_ppo.Args(model=path))
     rates = [m.p for m in critic.modules() if isinstance(m, torch.nn.Dropout)]
     assert rates and all(p == 0 for p in rates)
+
+
+def test_optimizer_state_made_up_front_trains_as_adamw_does():
+    """AdamW's state made before the first step (its memory resident from step 1) changes nothing:
+    the parameters after three steps with weight decay and a schedule are those of a fresh AdamW,
+    bit for bit."""
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in models]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5 + 0.1 * s) for o in optimizers]
+    sharding.init_optimizer_state(optimizers[1])
+    state = optimizers[1].state[models[1].weight]
+    assert (
+        float(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+    )
+    assert torch.equal(models[0].weight, models[1].weight)  # the step at lr 0 moved nothing
+    assert optimizers[1].param_groups[0]["lr"] == pytest.approx(0.05)  # the schedule's, restored
+    assert not optimizers[0].state  # AdamW itself makes it at the first step
+    for x in torch.randn(3, 2, 4):
+        for model, optimizer, scheduler in zip(models, optimizers, schedulers):
+            (model(x) ** 2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+    sharding.init_optimizer_state(optimizers[1])  # a state that exists (a checkpoint's) is kept
+    assert float(optimizers[1].state[models[1].weight]["step"]) == 3
