@@ -42,7 +42,9 @@
 # RUNS/learn), LEARN_ARGS (extra flags of the learning run; a flag given twice takes the last value),
 # FILTER_FROM (the step from which learn_filter filters), FILTER_ARGS (flags of its filtering part only, such as
 # --gen_batch_size 768),
-# VAL_ARGS (extra flags of the val part), QWEN3_ARGS (of the qwen3 part, e.g. --use_fused_kernels).
+# VAL_ARGS (extra flags of the val part), QWEN3_ARGS (of the qwen3 part, e.g. --use_fused_kernels), COLD=1 (each
+# part starts with empty compile caches, Triton's, inductor's and vLLM's, as on a freshly started machine: cold
+# starts to compare in one hold; the OS's file cache stays warm).
 set -u
 OUT=${OUT:-bench_out}
 MODEL=${MODEL:-/tmp/models/qwen2.5-coder-0.5b-instruct}
@@ -178,6 +180,10 @@ for part in "${parts[@]}"; do
             "scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
   esac
   echo "== $part: $cmd"
+  if [ "${COLD:-0}" = 1 ]; then
+    cold=$(mktemp -d /tmp/cold.XXXX)
+    export TRITON_CACHE_DIR=$cold/triton TORCHINDUCTOR_CACHE_DIR=$cold/inductor VLLM_CACHE_ROOT=$cold/vllm
+  fi
   # SIGTERM to the workers at LIMIT: a training run checkpoints the step in progress and stops
   # (sharding.StopRequest) within the 45 s before everything is killed (bench/limit.sh)
   bash bench/limit.sh "$LIMIT" 45 "$cmd" > "$OUT/$part.log" 2>&1
