@@ -31,7 +31,7 @@ lint: install
 # files first (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: install lint
-	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 
 # GPU-only checks (skip cleanly without a GPU): the engine on NCCL with sleep mode, bf16 parity.
 # GPU targets do not install: GPU machines may be offline (see docs/gpu.md for staging vLLM there).

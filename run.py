@@ -1279,9 +1279,9 @@ _finished = threading.Event()  # this process's run ended: its peers' watch stan
 
 
 def watch_peers(interval=1.0):
-    """End this process within `interval` seconds of another rank's failure (`fail`). Without it the
-    others wait for the failed rank in a collective that never completes: NCCL until its 10-minute
-    timeout, gloo wherever its peers' sockets stay open."""
+    """End this process within `interval` + 2 seconds of another rank's failure (`fail`). Without
+    it the others wait for the failed rank in a collective that never completes: NCCL until its
+    10-minute timeout, gloo wherever its peers' sockets stay open."""
     store = dist.distributed_c10d._get_default_store()
 
     def watch():
@@ -1297,6 +1297,8 @@ def watch_peers(interval=1.0):
                     why = "the process group's store is gone: another process has ended"
                 print(f"[rank {dist.get_rank()}] stopping: {why}", file=sys.stderr, flush=True)
                 reward.close_all()
+                # torchrun names the failure it saw first, by the second: the failed rank's
+                time.sleep(2.0)
                 os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="watch_peers").start()
