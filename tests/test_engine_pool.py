@@ -152,7 +152,7 @@ def test_pool_engines_exit_with_the_trainer(tiny_dir, tmp_path, when):
         f"sys.path.insert(0, {str(ROOT)!r})\n"
         "import rollout\n"
         "if __name__ == '__main__':  # the engines' processes are spawned: they import this file "
-        f"too\n    pool = rollout.EnginePool({tiny_dir!r}, engines=2, max_model_len=128, "
+        f"too\n    pool = rollout.EnginePool({tiny_dir!r}, engines=1, max_model_len=128, "
         "load_format='dummy',\n                              **rollout.ON_CPU)\n"
         + ("    pool.started()\n" if when == "started" else "")
         + "    print('PIDS', json.dumps([p.pid for p in pool.procs]), flush=True)\n"
