@@ -1275,13 +1275,16 @@ class StopRequest:
 
 
 FAILED = "run/failed"  # the key in the process group's store that the first failed rank writes
+# how long a rank that ends for another's failure waits before it exits: torchrun names the failure
+# it saw first, by the whole second, so the failed rank's comes first in its summary
+AFTER_PEER_FAILURE_S = 2.0
 _finished = threading.Event()  # this process's run ended: its peers' watch stands down
 
 
 def watch_peers(interval=1.0):
-    """End this process within `interval` + 2 seconds of another rank's failure (`fail`). Without
-    it the others wait for the failed rank in a collective that never completes: NCCL until its
-    10-minute timeout, gloo wherever its peers' sockets stay open."""
+    """End this process within `interval` + AFTER_PEER_FAILURE_S seconds of another rank's failure
+    (`fail`). Without it the others wait for the failed rank in a collective that never completes:
+    NCCL until its 10-minute timeout, gloo wherever its peers' sockets stay open."""
     store = dist.distributed_c10d._get_default_store()
 
     def watch():
@@ -1297,8 +1300,7 @@ def watch_peers(interval=1.0):
                     why = "the process group's store is gone: another process has ended"
                 print(f"[rank {dist.get_rank()}] stopping: {why}", file=sys.stderr, flush=True)
                 reward.close_all()
-                # torchrun names the failure it saw first, by the second: the failed rank's
-                time.sleep(2.0)
+                time.sleep(AFTER_PEER_FAILURE_S)
                 os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="watch_peers").start()
@@ -1328,7 +1330,7 @@ def fail(error):
     first = tell_peers(mine)
     if first is not None and first != mine[:4000]:
         print(f"[rank {rank}] stopping: {first}", file=sys.stderr, flush=True)
-        time.sleep(2.0)  # torchrun names the first failure it sees: that rank's, not this one's
+        time.sleep(AFTER_PEER_FAILURE_S)
     else:
         if isinstance(error, SystemExit):  # a refused flag or file (`need`): the message says it
             print(why, file=sys.stderr)
