@@ -20,6 +20,7 @@ Nothing here knows an algorithm: what differs between scripts (their models, the
 passed in as values.
 """
 
+import atexit
 import contextlib
 import fcntl
 import importlib.util
@@ -254,6 +255,12 @@ class RunArgs:
         "actor's log-prob math): pays off with large micro-batches (--ppo_max_token_len_per_gpu "
         "49152 on an H200), costs compiling in step 1 (about 30 s for GRPO's actor on a fresh "
         "H200, docs/benchmarks.md); default: on with token budgets on a GPU",
+    )
+    warm_compile_caches: bool = flag(
+        False,
+        "with the in-process engine: a helper process compiles the step's passes on one-layer "
+        "copies of the models while the models load and the engine starts, and step 1 loads them "
+        "from torch's compile caches",
     )
     # reward
     custom_reward_function_path: str | None = flag(None, "a .py file")
@@ -703,6 +710,16 @@ def phase_perf(t, config, seq_len, tokens, response_tokens, peak_flops, epochs, 
     return out
 
 
+def cache_hits():
+    """How many of the graphs compiled so far were loaded from torch's compile caches on disk (by
+    AOTAutograd's cache, which holds a graph's forward and backward), as "N of M graphs"."""
+    from torch._dynamo.utils import counters
+
+    c = counters["aot_autograd"]
+    hits = c["autograd_cache_hit"]
+    return f"{hits} of {hits + c['autograd_cache_miss'] + c['autograd_cache_bypass']} graphs"
+
+
 def seconds_since_launch():
     """Wall-clock seconds since this process started (Linux: /proc; elsewhere: since this script was
     imported, which misses the imports of torch and transformers)."""
@@ -753,6 +770,39 @@ class Run:
         self.state, self.last_row = {}, None
         self.plan = None  # the memory plan (memory.plan) on a GPU
         self.engine, self.logger, self.stop, self.bar, self.stopping = None, None, None, None, False
+        self.warming, self.warm = None, False  # --warm_compile_caches' helper, and whether it runs
+
+    def warm_compile_caches(self, update_actor, update_critic=None):
+        """--warm_compile_caches: start the helper process (sharding.warm_compile_caches), one per
+        machine, with the in-process engine (a pool's engines start beside the trainer, which
+        compiles meanwhile: `make_engine`). `update_actor` and `update_critic` are the train
+        script's own; `make_engine` waits for the helper."""
+        args, device = self.args, self.device
+        if not args.warm_compile_caches or args.val_only:
+            return
+        need(
+            args.engines_per_gpu == 1,
+            "--warm_compile_caches is for the in-process engine: with --engines_per_gpu above 1 "
+            "the passes compile while the engines start; drop it",
+        )
+        need(
+            sharding.gpu_default(args.compile_layers, device)
+            or sharding.gpu_default(args.use_torch_compile, device),
+            "--warm_compile_caches compiles the step's passes ahead, and none compiles here: add "
+            "--compile_layers true or --use_torch_compile true, or drop it",
+        )
+        self.warm = True
+        if int(os.environ["LOCAL_RANK"]) == 0:
+            ctx = torch.multiprocessing.get_context("spawn")
+            self.engine_started = ctx.Event()
+            launched = time.time() - seconds_since_launch()
+            self.warming = ctx.Process(
+                target=sharding.warm_compile_caches,
+                name="warm_compile_caches",
+                args=(args, device, update_actor, update_critic, launched, self.engine_started),
+            )
+            self.warming.start()
+            atexit.register(self.warming.kill)  # the run ended before it did
 
     def resume(self, models, optimizers, schedulers):
         """Load the checkpoint --resume_mode names (auto: the newest under --default_local_dir) into
@@ -876,7 +926,31 @@ class Run:
                 or sharding.gpu_default(args.use_torch_compile, device)
             )
         )
+        self.made_up_tokens = None  # compile_ahead's batch fills the largest token budget
+        if self.warm:
+            self.join_helper()
+            # the helper's made-up batch, whose graphs are in the caches; the real sizes' few
+            # differences compile in step 1
+            self.compile_ahead, self.made_up_tokens = True, sharding.small_batch_tokens(args)
         return engine
+
+    def join_helper(self):
+        """Once the engine has started: wait for this machine's --warm_compile_caches helper to
+        end; every rank waits."""
+        if self.warming is not None:
+            waited = seconds_since_launch()
+            self.engine_started.set()
+            self.warming.join()
+            atexit.unregister(self.warming.kill)
+            print(
+                f"waited {seconds_since_launch() - waited:.1f} s for the compiling helper"
+                if self.warming.exitcode == 0
+                else f"the compiling helper process failed (exit code {self.warming.exitcode}, its "
+                "error above): the passes compile here",
+                flush=True,
+            )
+        if dist.is_initialized():
+            dist.barrier()
 
     def engine_ready(self, engine, actor):
         """Push the actor's weights into the engine, open the logs (a resumed run drops the rows
@@ -891,6 +965,7 @@ class Run:
             print(
                 f"models loaded {self.models_loaded:.1f} s after launch, "
                 + (f"passes compiled ahead at {compiled:.1f} s, " if self.compile_ahead else "")
+                + (f"{cache_hits()} from the helper's compile caches, " if self.warm else "")
                 + f"engine ready at {seconds_since_launch():.1f} s",
                 flush=True,
             )

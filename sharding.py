@@ -36,6 +36,8 @@ import os
 import random
 import re
 import shutil
+import sys
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -822,11 +824,23 @@ def attention(args):
     return PACKED_ATTENTION if args.use_remove_padding else "sdpa"
 
 
-def load_policy(path, device, trainable, offload, args):
-    """A Hugging Face causal LM, fp32 masters, sharded with FSDP2 (bf16 compute on GPU)."""
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attention(args)
-    )
+def few_layers(config, layers):
+    """`config` cut to its first `layers` decoder layers (`warm_compile_caches`' copy)."""
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    return config
+
+
+def load_policy(path, device, trainable, offload, args, layers=None):
+    """A Hugging Face causal LM, fp32 masters, sharded with FSDP2 (bf16 compute on GPU). `layers`:
+    instead, a randomly initialised copy with that many decoder layers."""
+    kw = dict(dtype=torch.float32, attn_implementation=attention(args))
+    if layers is None:
+        model = AutoModelForCausalLM.from_pretrained(path, **kw)
+    else:
+        config = few_layers(AutoConfig.from_pretrained(path), layers)
+        model = AutoModelForCausalLM.from_config(config, **kw)
     if device.type == "cuda" and not offload:
         model.to(device)
     if gpu_default(args.compile_layers, device):
@@ -846,18 +860,20 @@ def load_policy(path, device, trainable, offload, args):
     return model
 
 
-def load_critic(path, device, args):
+def load_critic(path, device, args, layers=None):
     """A value model on the policy's body, as verl builds it: AutoModelForTokenClassification with
     one label (the body under `.model`, a new linear `.score` head), fp32 masters, sharded with
     FSDP2. Dropout off (transformers' default for the head is 0.1; verl sets 0 too), so values are
-    deterministic."""
+    deterministic. `layers`: as `load_policy`'s."""
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = (
         0.0  # an attribute: from_pretrained drops a keyword its config class lacks
     )
-    model = AutoModelForTokenClassification.from_pretrained(
-        path, config=config, dtype=torch.float32, attn_implementation=attention(args)
-    )
+    kw = dict(dtype=torch.float32, attn_implementation=attention(args))
+    if layers is None:
+        model = AutoModelForTokenClassification.from_pretrained(path, config=config, **kw)
+    else:
+        model = AutoModelForTokenClassification.from_config(few_layers(config, layers), **kw)
     if device.type == "cuda" and not args.critic_param_offload:
         model.to(device)
     if gpu_default(args.compile_layers, device):
@@ -910,7 +926,9 @@ def made_up_batch(response_length, budget=None):
     ], R
 
 
-def compile_ahead(actor, ref, args, device, update_actor, critic=None, update_critic=None):
+def compile_ahead(
+    actor, ref, args, device, update_actor, critic=None, update_critic=None, tokens=None
+):
     """Compile a step's passes before the first step: the old (and reference) log-prob passes and
     the update, with PPO's critic its values and its update too, on a made-up batch
     (`made_up_batch`, filling the largest token budget), the actor's update with advantages of 0,
@@ -918,7 +936,8 @@ def compile_ahead(actor, ref, args, device, update_actor, critic=None, update_cr
     they were. `update_actor` and `update_critic` are the train script's own. torch.compile's graphs
     take dynamic shapes: the real batches reuse them. With --engines_per_gpu the engines start in
     their own processes meanwhile, so the compiling (about 50 s of a GRPO step on an H200,
-    docs/benchmarks.md) overlaps their start."""
+    docs/benchmarks.md) overlaps their start. `tokens`: the made-up batch's size instead
+    (`warm_compile_caches`)."""
     # taken before a forward unshards the root's parameters
     no_step = torch.optim.SGD(actor.parameters(), lr=0.0)
     budgets = [args.log_prob_max_token_len_per_gpu, args.ppo_max_token_len_per_gpu]
@@ -926,7 +945,7 @@ def compile_ahead(actor, ref, args, device, update_actor, critic=None, update_cr
         no_critic_step = torch.optim.SGD(critic.parameters(), lr=0.0)
         budgets.append(args.critic_ppo_max_token_len_per_gpu)
     samples, T = made_up_batch(
-        args.max_response_length, max(budgets) if args.use_dynamic_bsz else None
+        args.max_response_length, (tokens or max(budgets)) if args.use_dynamic_bsz else None
     )
     _, response_mask = response_targets(samples, T, device)
     budget = args.log_prob_max_token_len_per_gpu if args.use_dynamic_bsz else None
@@ -983,6 +1002,71 @@ def compile_ahead(actor, ref, args, device, update_actor, critic=None, update_cr
         0,
         device,
     )
+
+
+def small_batch_tokens(args):
+    """The size of --warm_compile_caches' made-up batch: two sequences (`made_up_batch`), where
+    `compile_ahead` would fill the largest token budget."""
+    return 2 * (8 + args.max_response_length)
+
+
+def name_globals_as_the_trainer():
+    """In a process spawned from a train script: make pickle name globals as the trainer does. The
+    compile caches' keys pickle globals such as torch.contiguous_format by reference, and pickle's C
+    implementation names one by the first module in sys.modules that holds it: torch._utils in the
+    trainer, but in a spawned process the trainer's script, imported first as __mp_main__, so every
+    key would differ from the trainer's. Moved last in the order, the script is found last."""
+    script = sys.modules.pop("__mp_main__", None)
+    if script is not None:
+        sys.modules["__mp_main__"] = script
+
+
+def warm_compile_caches(args, device, update_actor, update_critic, launched, engine_started):
+    """The helper process of --warm_compile_caches (`run.Run.warm_compile_caches`), while the
+    trainer loads its models and starts the in-process engine: `compile_ahead` on randomly
+    initialised one-layer copies of the run's models (the actor, the reference where a KL term
+    needs it, PPO's critic) and a small made-up batch, in a process group of its own. torch.compile
+    keeps what it compiles in caches on disk (inductor's graphs, AOTAutograd's, Triton's kernels),
+    keyed by the graph, and every decoder layer of a model shares one (`compile_layers`): the
+    trainer then runs `compile_ahead` on the same batch (little memory beside the awake engine)
+    and loads the code instead of compiling it. Only the same calls in the same order hit: which
+    sizes torch.compile makes one symbol depends on the sizes it has seen."""
+    from rollout import TORCHRUN_ENV
+
+    for key in TORCHRUN_ENV:  # not one of torchrun's workers
+        os.environ.pop(key, None)
+    name_globals_as_the_trainer()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        device_id=device if device.type == "cuda" else None,
+    )
+    if gpu_default(args.use_torch_compile, device):
+        compile_logits_math()
+    actor = load_policy(args.model, device, True, False, args, layers=1)
+    ref = None
+    if args.use_kl_loss or args.use_kl_in_reward:
+        ref = load_policy(args.model, device, False, False, args, layers=1)
+    critic = None
+    if update_critic is not None:
+        critic = load_critic(args.critic_model, device, args, layers=1)
+    tokens = small_batch_tokens(args)
+    compile_ahead(actor, ref, args, device, update_actor, critic, update_critic, tokens)
+    dist.destroy_process_group()
+    print(
+        f"the helper process compiled the passes {time.time() - launched:.1f} s after launch",
+        flush=True,
+    )
+    # GPU memory freed while the trainer's vLLM engine starts would upset the engine's measure of
+    # the free memory ("Error in memory profiling"): the helper ends, freeing its memory, once the
+    # engine has started (or the trainer has ended)
+    trainer = torch.multiprocessing.parent_process()
+    while not engine_started.wait(1.0) and trainer.is_alive():
+        pass
 
 
 # --------------------------------------------------------------------------- checkpoints

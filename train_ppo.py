@@ -410,6 +410,7 @@ def check_args(args, world_size):
 def main(args):
     r = run.start(args, check_args)  # process group, flags, reward function, tokenizer, data, steps
     device, world, n = r.device, r.world, args.rollout_n
+    r.warm_compile_caches(update_actor, update_critic)  # --warm_compile_caches' helper
 
     # models: the actor (trained) and the reference (frozen, only when a KL term is on)
     actor = sharding.load_policy(args.model, device, not args.val_only, args.param_offload, args)
@@ -435,7 +436,9 @@ def main(args):
     # its own while the step's passes compile here)
     engine = r.make_engine()
     if r.compile_ahead:
-        sharding.compile_ahead(actor, ref, args, device, update_actor, critic, update_critic)
+        sharding.compile_ahead(
+            actor, ref, args, device, update_actor, critic, update_critic, r.made_up_tokens
+        )
     r.engine_ready(engine, actor)
     if args.val_only:
         return r.validate_only()

@@ -63,6 +63,7 @@ VERL = {
     "compile_layers": None,
     "use_fused_kernels": f"{ARA}.model.use_fused_kernels",
     "compile_update": None,
+    "warm_compile_caches": None,
     "custom_reward_function_path": "reward.custom_reward_function.path",
     "custom_reward_function_name": "reward.custom_reward_function.name",
     "reward_errors": None,

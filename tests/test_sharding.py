@@ -11,6 +11,7 @@ size.
 
 import math
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -627,3 +628,27 @@ def test_optimizer_state_made_up_front_trains_as_adamw_does():
         assert torch.equal(a, b)
     sharding.init_optimizer_state(optimizers[1])  # a state that exists (a checkpoint's) is kept
     assert float(optimizers[1].state[models[1].weight]["step"]) == 3
+
+
+def test_one_layer_copies_keep_every_shape_but_the_depth(tmp_path, monkeypatch):
+    """--warm_compile_caches' helper compiles on randomly initialised one-layer copies of the run's
+    models: a decoder layer of the same shapes, whose compiled graph every layer of the real model
+    reuses, the same embedding and heads."""
+    from bench.tiny import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path / "tiny"))
+    monkeypatch.setattr(sharding, "apply_fsdp2", lambda model, **_: model)  # no process group here
+    args = train_ppo.Args(model=path)
+    cpu = torch.device("cpu")
+    loads = {
+        "policy": lambda **kw: sharding.load_policy(path, cpu, True, False, args, **kw),
+        "critic": lambda **kw: sharding.load_critic(path, cpu, args, **kw),
+    }
+    for name, load in loads.items():
+        real, few = load(), load(layers=1)
+        assert real.config.num_hidden_layers > 1 and few.config.num_hidden_layers == 1
+        # the real model's parameters but those of its layers after the first
+        kept = {
+            n: p.shape for n, p in real.named_parameters() if not re.search(r"\.layers\.[1-9]", n)
+        }
+        assert {n: p.shape for n, p in few.named_parameters()} == kept, name
