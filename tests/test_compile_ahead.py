@@ -8,11 +8,13 @@ a minute on 2 cores.
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import sharding
+from tests.test_train_grpo import flags, launch, make_assets
 from tests.tiny_model import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,3 +120,23 @@ def test_made_up_batch_fills_the_largest_token_budget():
     # without a token budget: two short sequences, the micro-batches counted in sequences
     samples, T = sharding.made_up_batch(1024)
     assert [(len(p), len(r)) for p, r in samples] == [(8, 12), (4, 6)] and T == 12
+
+
+def test_the_compiling_helper_fills_the_caches_the_trainer_loads(tmp_path):
+    """--warm_compile_caches, one train_grpo.py step with its layers compiled by inductor (whose
+    caches AOTAutograd's keys): the helper process compiled the passes on one-layer copies into
+    empty compile caches, and the trainer's compile_ahead loaded every graph from them. The helper
+    is spawned from the train script, which Python imports first there (as __mp_main__): unless
+    the helper moves it last in sys.modules (sharding.name_globals_as_the_trainer), pickle names
+    torch's globals by the script in the cache keys, and none matches the trainer's."""
+    assets = make_assets(tmp_path)
+    run = flags(assets, tmp_path / "run", "hf", 1, "disable", "--compile_layers", "true")
+    run += ["--warm_compile_caches", "true", "--val_before_train", "false", "--save_freq", "-1"]
+    run += ["--export_final", "false"]
+    proc = launch(run, nproc=0, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    assert proc.returncode == 0, proc.output[-6000:]
+    assert "the helper process compiled the passes" in proc.output, proc.output[-3000:]
+    assert "for the compiling helper" in proc.output, proc.output[-3000:]
+    found = re.search(r"(\d+) of (\d+) graphs from the helper's compile caches", proc.output)
+    assert found, proc.output[-3000:]
+    assert int(found[1]) == int(found[2]) > 0, found[0]
