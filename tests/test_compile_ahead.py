@@ -123,16 +123,17 @@ def test_made_up_batch_fills_the_largest_token_budget():
 
 
 def test_the_compiling_helper_fills_the_caches_the_trainer_loads(tmp_path):
-    """--warm_compile_caches, one train_grpo.py step with its layers compiled by inductor (whose
-    caches AOTAutograd's keys): the helper process compiled the passes on one-layer copies into
-    empty compile caches, and the trainer's compile_ahead loaded every graph from them. The helper
+    """--warm_compile_caches, one train_grpo.py step with its log-prob math compiled by inductor
+    (whose graphs AOTAutograd's cache keys): the helper process compiled the passes on one-layer
+    copies into empty compile caches, and the trainer's compile_ahead loaded every graph from them
+    (with the layers compiled too: the same, 10 s longer). The helper
     is spawned from the train script, which Python imports first there (as __mp_main__): unless
     the helper moves it last in sys.modules (sharding.name_globals_as_the_trainer), pickle names
     torch's globals by the script in the cache keys, and none matches the trainer's."""
     assets = make_assets(tmp_path)
-    run = flags(assets, tmp_path / "run", "hf", 1, "disable", "--compile_layers", "true")
-    run += ["--warm_compile_caches", "true", "--val_before_train", "false", "--save_freq", "-1"]
-    run += ["--export_final", "false"]
+    run = flags(assets, tmp_path / "run", "hf", 1, "disable", "--use_torch_compile", "true")
+    run += ["--warm_compile_caches", "true", "--val_before_train", "false", "--test_freq", "-1"]
+    run += ["--save_freq", "-1", "--export_final", "false"]
     proc = launch(run, nproc=0, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
     assert proc.returncode == 0, proc.output[-6000:]
     assert "the helper process compiled the passes" in proc.output, proc.output[-3000:]
