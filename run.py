@@ -786,8 +786,7 @@ class Run:
             "the passes compile while the engines start; drop it",
         )
         need(
-            sharding.gpu_default(args.compile_layers, device)
-            or sharding.gpu_default(args.use_torch_compile, device),
+            sharding.compiles(args, device),
             "--warm_compile_caches compiles the step's passes ahead, and none compiles here: add "
             "--compile_layers true or --use_torch_compile true, or drop it",
         )
@@ -919,12 +918,7 @@ class Run:
             load_format="dummy",
         )
         self.compile_ahead = (
-            not engine.in_process
-            and not args.val_only
-            and (
-                sharding.gpu_default(args.compile_layers, device)
-                or sharding.gpu_default(args.use_torch_compile, device)
-            )
+            not engine.in_process and not args.val_only and sharding.compiles(args, device)
         )
         self.made_up_tokens = None  # compile_ahead's batch fills the largest token budget
         if self.warm:

@@ -603,6 +603,12 @@ def gpu_default(flag, device):
     return device.type == "cuda" if flag is None else flag
 
 
+def compiles(args, device):
+    """Whether a step's passes compile (the layers, or the log-prob math), so that they can be
+    compiled ahead of the first step (`compile_ahead`)."""
+    return gpu_default(args.compile_layers, device) or gpu_default(args.use_torch_compile, device)
+
+
 def collate(samples, packed, device):
     """Model inputs for a micro-batch of (prompt_ids, response_ids) pairs, and where to read back.
 

@@ -126,10 +126,10 @@ def test_the_compiling_helper_fills_the_caches_the_trainer_loads(tmp_path):
     """--warm_compile_caches, one train_grpo.py step with its log-prob math compiled by inductor
     (whose graphs AOTAutograd's cache keys): the helper process compiled the passes on one-layer
     copies into empty compile caches, and the trainer's compile_ahead loaded every graph from them
-    (with the layers compiled too: the same, 10 s longer). The helper
-    is spawned from the train script, which Python imports first there (as __mp_main__): unless
-    the helper moves it last in sys.modules (sharding.name_globals_as_the_trainer), pickle names
-    torch's globals by the script in the cache keys, and none matches the trainer's."""
+    (with the layers compiled too: the same, 10 s longer). The helper is spawned from the train
+    script, which Python imports first there (as __mp_main__): unless the helper moves it last in
+    sys.modules (sharding.name_globals_as_the_trainer), pickle names torch's globals by the script
+    in the cache keys, and none matches the trainer's."""
     assets = make_assets(tmp_path)
     run = flags(assets, tmp_path / "run", "hf", 1, "disable", "--use_torch_compile", "true")
     run += ["--warm_compile_caches", "true", "--val_before_train", "false", "--test_freq", "-1"]
