@@ -129,9 +129,11 @@ def test_the_compiling_helper_fills_the_caches_the_trainer_loads(tmp_path):
     (with the layers compiled too: the same, 10 s longer). The helper is spawned from the train
     script, which Python imports first there (as __mp_main__): unless the helper moves it last in
     sys.modules (sharding.name_globals_as_the_trainer), pickle names torch's globals by the script
-    in the cache keys, and none matches the trainer's."""
+    in the cache keys, and none matches the trainer's. The engine is the in-process vLLM, whose
+    worker sets the trainer's float32 matmul precision, which the keys hold: the helper sets it as
+    the engine will (sharding.set_as_the_engine_will), or none matches either."""
     assets = make_assets(tmp_path)
-    run = flags(assets, tmp_path / "run", "hf", 1, "disable", "--use_torch_compile", "true")
+    run = flags(assets, tmp_path / "run", "vllm", 1, "disable", "--use_torch_compile", "true")
     run += ["--warm_compile_caches", "true", "--val_before_train", "false", "--test_freq", "-1"]
     run += ["--save_freq", "-1", "--export_final", "false"]
     proc = launch(run, nproc=0, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
