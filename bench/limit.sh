@@ -23,14 +23,24 @@ pid=$!
   launchers=$(for p in $(pgrep -s "$pid" -f torch.distributed.run); do
     case $(ps -o comm= -p "$p") in sh|bash|dash|zsh) ;; *) echo "$p" ;; esac
   done)
+  workers=""
   if [ -n "$launchers" ]; then
-    # a torchrun that has not started its workers yet has nothing to checkpoint: it gets the signal
-    for launcher in $launchers; do pkill -TERM -P "$launcher" || kill -TERM "$launcher"; done
+    for launcher in $launchers; do
+      # a worker between torchrun's fork and its exec still has torchrun's command line and signal
+      # handling, which would lose the signal: wait (at most 10 s) for it to run the script
+      for _ in $(seq 200); do pgrep -P "$launcher" -f torch.distributed.run > /dev/null || break; sleep 0.05; done
+      mine=$(pgrep -P "$launcher")
+      # a torchrun that has not started its workers yet has nothing to checkpoint: it gets the signal
+      if [ -n "$mine" ]; then kill -TERM $mine; else kill -TERM "$launcher"; fi
+      workers="$workers $mine"
+    done
   else
     pkill -TERM -s "$pid"
   fi
   sleep "$grace" & sleeper=$!
   wait "$sleeper"
+  # torchrun starts each worker in a session of its own: those sessions, then the command's
+  for worker in $workers; do pkill -KILL -s "$worker"; done
   pkill -KILL -s "$pid"
 ) &
 watchdog=$!

@@ -465,6 +465,46 @@ time.sleep(120)
 """
 
 
+STUBBORN = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open(sys.argv[1] + "." + os.environ["RANK"], "w").write(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+def test_limit_kills_workers_that_outlive_the_grace_period(tmp_path):
+    """Workers that do not stop by the grace period's end are killed with torchrun: torchrun starts
+    each in a session of its own, so killing the command's session alone would leave them running,
+    orphaned (and holding the command's output open)."""
+    import subprocess
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    cmd = f"{sys.executable} -m torch.distributed.run --nproc_per_node=2 --master_port 0 {script} "
+    start = time.monotonic()
+    subprocess.run(
+        ["bash", os.path.join(root, "bench/limit.sh"), "8", "1", cmd + f"{tmp_path}/pid"],
+        env={**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1"},
+        capture_output=True,
+        timeout=100,
+    )
+    assert time.monotonic() - start < 60
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid.*")]
+    assert len(pids) == 2  # both had started by the limit
+
+    def running(pid):  # a killed process not yet reaped is a zombie, not running
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    time.sleep(1)
+    assert not [pid for pid in pids if running(pid)]
+
+
 @pytest.mark.parametrize("after", ["", " && true"])
 def test_limit_signals_the_workers_and_lets_them_finish(tmp_path, after):
     """bench/limit.sh at its limit signals torchrun's workers only: torchrun, told to give them 1 s
