@@ -98,11 +98,11 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 # --- packed sequences: variable-length attention ------------------------------------------------
 
 PACKED_ATTENTION = "packed_varlen"  # load models with attn_implementation=PACKED_ATTENTION
-_FLASH_FAILED = []  # the error, once the flash kernel has refused to run here
+# per device type, whether flash attention's varlen kernel runs here: found by the first packed call
+# there (`probe_flash_varlen` makes that call before anything compiles)
+FLASH_VARLEN = {}
 
 
-# left to eager under `compile_layers`: its kernel choice and fallback are Python
-@torch.compiler.disable
 def packed_attention(
     module,
     query,
@@ -124,7 +124,50 @@ def packed_attention(
     block-diagonal (L, L) mask and spends sum_i L * L_i on it. On CPU (or in fp32, or where the
     kernel is missing) each segment runs through sdpa on its own.
     Without `cu_seq_lens` (padded batches, generation) this is transformers' sdpa attention.
+
+    Where the kernel is known to run, torch.compile traces this call (an aten op with a fake
+    kernel, a gradient and inductor's fallback), so a compiled decoder layer (`compile_layers`) is
+    one graph; everything else runs eager (`_attention_eager`), which splits the layer in two
+    graphs around it and makes Dynamo trace the layer again at the split.
     """
+    if (
+        cu_seq_lens is not None
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and FLASH_VARLEN.get(query.device.type)
+    ):
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (L, H, D)
+        return _flash_varlen(q, k, v, cu_seq_lens, max_seq_len, scaling)[None], None
+    return _attention_eager(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        scaling,
+        dropout,
+        cu_seq_lens,
+        max_seq_len,
+        **kwargs,
+    )
+
+
+def _flash_varlen(q, k, v, cu_seq_lens, max_seq_len, scaling):
+    """The kernel behind torch.nn.attention.varlen (whose Python signature changed across torch
+    releases; this op's did not) on (L, H, D) tensors. It is differentiable in q, k and v and takes
+    grouped-query heads as they are (Hq a multiple of Hkv), without copies of k and v."""
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seq_lens, cu_seq_lens, max_seq_len, max_seq_len, 0.0, True, False, scale=scaling
+    )[0]
+
+
+# left to eager under `compile_layers`: its kernel choice and fallback are Python
+@torch.compiler.disable
+def _attention_eager(
+    module, query, key, value, attention_mask, scaling, dropout, cu_seq_lens, max_seq_len, **kwargs
+):
+    """`packed_attention` without a traced kernel: sdpa for padded batches, the first packed call on
+    a device (which tries the flash kernel and notes whether it ran), and attention segment by
+    segment where the kernel does not run."""
     if cu_seq_lens is None:
         pos = kwargs.get("position_ids")
         if (
@@ -142,31 +185,17 @@ def packed_attention(
     assert query.shape[0] == 1, "packed attention expects one row"
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (L, H, D)
     out = None
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not _FLASH_FAILED:
-        # the kernel behind torch.nn.attention.varlen (whose Python signature changed across torch
-        # releases; this op's did not); it is differentiable in query, key and value, and takes
-        # grouped-query heads as they are (Hq a multiple of Hkv), without copies of k and v
+    kind = q.device.type
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and FLASH_VARLEN.get(kind, True):
         try:
-            out = torch.ops.aten._flash_attention_forward(
-                q,
-                k,
-                v,
-                cu_seq_lens,
-                cu_seq_lens,
-                max_seq_len,
-                max_seq_len,
-                0.0,
-                True,
-                False,
-                scale=scaling,
-            )[0]
+            out = _flash_varlen(q, k, v, cu_seq_lens, max_seq_len, scaling)
         except (RuntimeError, TypeError) as e:  # e.g. a GPU without flash attention
-            _FLASH_FAILED.append(e)
             print(
                 f"packed_attention: flash varlen attention unavailable ({e}); attending per "
                 f"sequence instead",
                 flush=True,
             )
+        FLASH_VARLEN[kind] = out is not None
     if out is None:
         # grouped-query attention: kv head j serves query heads j*r..j*r+r-1
         if k.shape[1] != q.shape[1]:
@@ -186,6 +215,17 @@ def packed_attention(
             ]
         )
     return out[None], None  # (1, L, Hq, D), as transformers' attention functions return
+
+
+def probe_flash_varlen(device):
+    """One packed call on tiny bf16 tensors, eager, so that `FLASH_VARLEN` knows this device before
+    torch.compile traces a layer: otherwise the first compiled pass would trace the eager path and
+    compile again once the kernel had run."""
+    if device.type == "cuda" and device.type not in FLASH_VARLEN:
+        qkv = torch.zeros(3, 1, 1, 4, 64, dtype=torch.bfloat16, device=device)
+        cu = torch.tensor([0, 2, 4], dtype=torch.int32, device=device)
+        with torch.no_grad():
+            packed_attention(None, *qkv, None, scaling=0.125, cu_seq_lens=cu, max_seq_len=2)
 
 
 def _packed_mask(*args, attention_mask=None, **kwargs):
@@ -342,10 +382,10 @@ def compile_layers(model: torch.nn.Module, with_grad: bool = False) -> torch.nn.
     passes cost about as much as the matmuls. Compiled, they fuse into a few kernels. All layers of
     a model share one compiled graph (same code, parameters passed as inputs), and so do other
     models of the same architecture whose parameters agree in requires_grad (the train scripts leave
-    the frozen reference's on for that reason; a mismatch compiles again). Attention stays
-    eager (`packed_attention` opts out), and FSDP2's hooks run in the module call around the
-    compiled forward. Parameter names are unchanged. Call before sharding. `with_grad`: compile
-    the training passes too (see `no_grad_compiled`).
+    the frozen reference's on for that reason; a mismatch compiles again). Packed attention is
+    part of the graph where its flash kernel runs (`packed_attention`), and FSDP2's hooks run in
+    the module call around the compiled forward. Parameter names are unchanged. Call before
+    sharding. `with_grad`: compile the training passes too (see `no_grad_compiled`).
     """
     for layer in decoder_layers(model):
         layer.forward = no_grad_compiled(layer.forward, with_grad)
@@ -849,6 +889,8 @@ def load_policy(path, device, trainable, offload, args, layers=None):
         model = AutoModelForCausalLM.from_config(config, **kw)
     if device.type == "cuda" and not offload:
         model.to(device)
+    if args.use_remove_padding:
+        probe_flash_varlen(device)
     if gpu_default(args.compile_layers, device):
         compile_layers(model, with_grad=trainable and args.compile_update)
     apply_fsdp2(
@@ -882,6 +924,8 @@ def load_critic(path, device, args, layers=None):
         model = AutoModelForTokenClassification.from_config(few_layers(config, layers), **kw)
     if device.type == "cuda" and not args.critic_param_offload:
         model.to(device)
+    if args.use_remove_padding:
+        probe_flash_varlen(device)
     if gpu_default(args.compile_layers, device):
         compile_layers(model, with_grad=args.compile_update)
     apply_fsdp2(

@@ -409,6 +409,102 @@ def test_the_reference_reuses_the_actors_compiled_layers(tmp_path):
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
+TRACED_FLASH_ATTENTION = """
+import os, sys, torch
+sys.path.insert(0, os.getcwd())
+import sharding
+from torch._dynamo.utils import counters
+from tests.tiny_model import make_samples, tiny_policy
+
+# flash attention's varlen op has no CPU kernel: these stand in for it (and for its gradient), each
+# segment through sdpa in fp32, so that the compiled path runs here as it does on a GPU
+def attend(q, k, v, cu, scale):
+    r = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:]):
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(r, 0), vs.repeat_interleave(r, 0)
+        scores = (qs @ ks.transpose(1, 2)) * scale
+        causal = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        outs.append((scores.softmax(-1) @ vs).transpose(0, 1))
+        lses.append(scores.logsumexp(-1))
+    return torch.cat(outs), torch.cat(lses, 1)
+
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, debug_mask, *, scale=None,
+            **unused):
+    assert torch.equal(cu_q, cu_k) and is_causal and dropout_p == 0
+    out, lse = attend(q.float(), k.float(), v.float(), cu_q, scale)
+    return (out.to(q.dtype), lse, torch.zeros(2, dtype=torch.uint64),
+            torch.zeros((), dtype=torch.uint64), torch.empty(0, dtype=q.dtype))
+
+def backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, seed,
+             offset, *, scale=None, **unused):
+    # by hand (autograd is off inside a kernel): P = softmax(S), S = scale Q K^T, O = P V
+    dtype = q.dtype
+    q, k, v, grad = q.float(), k.float(), v.float(), grad.float()
+    r = q.shape[1] // k.shape[1]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for a, b in zip(cu_q.tolist()[:-1], cu_q.tolist()[1:]):
+        qs, ks, vs, go = (t[a:b].transpose(0, 1) for t in (q, k, v, grad))
+        ks, vs = ks.repeat_interleave(r, 0), vs.repeat_interleave(r, 0)
+        causal = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+        p = ((qs @ ks.transpose(1, 2)) * scale).masked_fill(~causal, float("-inf")).softmax(-1)
+        dp = go @ vs.transpose(1, 2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        dq[a:b] = (scale * ds @ ks).transpose(0, 1)
+        # the r query heads of a kv head add their gradients
+        dk[a:b] = (scale * ds.transpose(1, 2) @ qs).unflatten(0, (-1, r)).sum(1).transpose(0, 1)
+        dv[a:b] = (p.transpose(1, 2) @ go).unflatten(0, (-1, r)).sum(1).transpose(0, 1)
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+
+lib = torch.library.Library("aten", "IMPL")
+lib.impl("_flash_attention_forward", forward, "CPU")
+lib.impl("_flash_attention_backward", backward, "CPU")
+sharding.probe_flash_varlen(torch.device("cpu"))
+assert "cpu" not in sharding.FLASH_VARLEN  # the probe asks GPUs only
+sharding.FLASH_VARLEN["cpu"] = True
+
+eager = tiny_policy().to(torch.bfloat16)
+compiled = sharding.compile_layers(tiny_policy().to(torch.bfloat16), with_grad=True)
+batches = [make_samples(lengths, seed=i) for i, lengths in
+           enumerate([[(5, 3), (9, 6), (3, 1)], [(7, 4), (2, 9)], [(11, 5), (4, 4), (6, 2), (3, 3)]])]
+for samples in batches:
+    for model in (eager, compiled):
+        model.zero_grad()
+    with torch.no_grad():
+        want = sharding.forward_log_probs(eager, samples, 1.0, True)[0]
+        got = sharding.forward_log_probs(compiled, samples, 1.0, True)[0]
+    torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.0)
+    for model in (eager, compiled):
+        sharding.forward_log_probs(model, samples, 1.0, True)[0].float().sum().backward()
+    for (name, e), c in zip(eager.named_parameters(), compiled.parameters()):
+        if e.grad is not None and e.dim() == 2 and "layers" in name:
+            rel = ((c.grad.float() - e.grad.float()).norm() / e.grad.float().norm()).item()
+            assert rel < 0.05, (name, rel)
+# one graph with gradients and one without, whatever the lengths: no break at attention, no
+# recompiling for another micro-batch
+assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+assert not counters["graph_break"], dict(counters["graph_break"])
+print("OK")
+"""
+
+
+def test_compiled_layers_trace_packed_attention_into_one_graph(tmp_path):
+    """Where flash attention's varlen kernel runs, a compiled decoder layer is one graph with
+    packed attention in it, one with gradients and one without, for micro-batches of any lengths,
+    and it computes what the eager layers do (bf16 log-probs and the layers' gradients). The
+    kernel is a GPU's; here a CPU stand-in (per-segment attention) is registered in its place."""
+    proc = subprocess.run(
+        [sys.executable, "-c", TRACED_FLASH_ATTENTION],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
 FUSED_UNDER_FSDP2 = """
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, os.getcwd())
