@@ -67,6 +67,7 @@ CONFIG = dict(
         use_remove_padding=False,
         total_training_steps=60,
         test_freq=10,
+        val_before_train=True,  # the held-out accuracy at step 0
         max_val_samples=200,
         save_freq=-1,
         logger="console,jsonl",

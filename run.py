@@ -289,7 +289,8 @@ class RunArgs:
         -1, "checkpoint every N steps, the last, on a stop (-1: never)", ge=1, also=(-1,)
     )
     test_freq: int = flag(10, "validate every N steps (-1: never)", ge=1, also=(-1,))
-    val_before_train: bool = flag(True, "validate before the first step")
+    # verl's default is True; its GSM8K tutorials (PPO and GRPO) pass False, and so do we
+    val_before_train: bool = flag(False, "validate before the first step")
     val_only: bool = flag(False, "only evaluate --model (or the checkpoint) and exit")
     stop_grace_s: float = flag(
         25.0,

@@ -77,7 +77,6 @@ class Args(run.RunArgs):
     save_freq: int = flag(
         10, "checkpoint every N steps, the last, on a stop (-1: never)", ge=1, also=(-1,)
     )
-    val_before_train: bool = flag(False, "validate before the first step")
     project_name: str = flag("ppo_gsm8k", "for wandb / tensorboard / folders")
 
 

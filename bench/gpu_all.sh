@@ -80,7 +80,8 @@ make_random05="$PY bench/random_model.py --shape qwen2.5-0.5b --tokenizer $MODEL
 learn="$PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $MODEL $data \
        --use_dynamic_bsz --ppo_max_token_len_per_gpu 49152 --log_prob_max_token_len_per_gpu 65536 \
        --compile_update true --max_response_length 512 --actor_lr 5e-6 --total_training_steps 32 \
-       --test_freq 4 --save_freq 4 --export_final false --resume_mode auto --default_local_dir $LEARN_DIR \
+       --test_freq 4 --val_before_train true --save_freq 4 --export_final false --resume_mode auto \
+       --default_local_dir $LEARN_DIR \
        --validation_data_dir $LEARN_DIR/val_generations"
 steps="--total_training_steps 3 --val_before_train false --test_freq -1 --export_final false --resume_mode disable"
 # one run of the tutorial's shape, afresh in RUNS/NAME, metrics copied to OUT: GPUS TP SCRIPT NAME [FLAGS]

@@ -162,6 +162,8 @@ def flags(assets, out_dir, engine, steps, resume="disable", *extra):
         str(steps),
         "--test_freq",
         "2",
+        "--val_before_train",  # the base model's scores at step 0 (verl's tutorials turn it off)
+        "true",
         "--max_val_samples",
         "8",
         "--actor_lr",
