@@ -9,6 +9,9 @@
 #                                   # the per-phase table and the memory plan against the measured peaks
 #   COLD=1 bash bench/gpu_all.sh card_warm card  # the same with --warm_compile_caches (card_ppo_warm: PPO's),
 #                                   # then without, each from empty compile caches: the time to the first step
+#   COLD=1 bash bench/gpu_all.sh card_compile  # the README's GRPO command, 3 steps, through
+#                                   # bench/compile_times.py: where torch.compile's time went (TORCH_LOGS=recompiles
+#                                   # adds why it compiled again; COMPILE_WORKERS_AT_LAUNCH=1 starts inductor's workers first)
 #   bash bench/gpu_all.sh plan_grpo plan_ppo  # the same, 3 steps, on a random-init model of Qwen2.5-0.5B's shape
 #                                   # (responses at the length limit, as the planner plans them)
 #   bash bench/gpu_all.sh grpo_compiled  # 5 GRPO steps, update compiled, 49k/64k-token micro-batches
@@ -113,6 +116,9 @@ for part in "${parts[@]}"; do
                  --total_training_steps 5 --default_local_dir $RUNS/$part && cp $RUNS/$part/metrics.jsonl \
                  $OUT/$part.jsonl && $PY bench/phase_table.py $OUT/$part.jsonl $plain && \
                  $PY bench/plan_table.py $OUT/$part.jsonl" ;;
+    card_compile) cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/compile_times.py train_grpo.py \
+                 --model $MODEL $data --total_training_steps 3 --default_local_dir $RUNS/$part && cp \
+                 $RUNS/$part/metrics.jsonl $OUT/$part.jsonl && $PY bench/phase_table.py $OUT/$part.jsonl $plain" ;;
     plan_grpo|plan_ppo) script=train_grpo.py; [ $part = plan_ppo ] && script=train_ppo.py
             cmd="$make_random05 && $PY -m torch.distributed.run --nproc_per_node=1 $script --model $random05 \
                  $data $steps --default_local_dir $RUNS/$part && cp $RUNS/$part/metrics.jsonl $OUT/$part.jsonl && \
@@ -179,7 +185,7 @@ for part in "${parts[@]}"; do
     profile) cmd="TORCH_LOGS=recompiles $PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT \
                   --modes eager all train fused --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 \
                   --repeats 2" ;;
-    *) echo "unknown part $part (test, engine, engine_pool, sync, card, card_ppo, card_warm, card_ppo_warm, plan_grpo, plan_ppo, plan_qwen3, grpo, grpo_compiled, grpo_pool, grpo_off_policy,"\
+    *) echo "unknown part $part (test, engine, engine_pool, sync, card, card_ppo, card_warm, card_ppo_warm, card_compile, plan_grpo, plan_ppo, plan_qwen3, grpo, grpo_compiled, grpo_pool, grpo_off_policy,"\
             "ppo, learn, learn_filter, val, profile, qwen3, scale, fused, scale_1, scale_1_warm,"\
             "scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
   esac

@@ -3,14 +3,14 @@ tables; profile_step and random_model on a tiny model."""
 
 import json
 import os
+import subprocess
 import sys
 import time
 
 import pytest
 
-sys.path.insert(
-    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 import ab_table  # noqa: E402
 import bench_engine  # noqa: E402
 import learn_table  # noqa: E402
@@ -610,3 +610,29 @@ def test_background_runs_past_its_caller_and_is_found_by_name(tmp_path):
         ("start", "x"),
     ):
         assert bg(*args).returncode == 2, args
+
+
+COMPILES_AND_EXITS = """
+import os, torch
+double = torch.compile(lambda x: x * 2 + 1)
+assert double(torch.ones(3)).tolist() == [3.0, 3.0, 3.0]
+os._exit(0)  # as the train scripts end
+"""
+
+
+def test_compile_times_reports_the_graphs_of_a_script_that_exits_at_once(tmp_path):
+    """bench/compile_times.py runs a script that compiles one function and ends with os._exit, and
+    still prints and writes where compiling went: one graph."""
+    script = tmp_path / "script.py"
+    script.write_text(COMPILES_AND_EXITS)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "compile_times.py"), str(script)],
+        env={**os.environ, "OUT": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    written = (tmp_path / "compile_times.txt").read_text()
+    assert "torch.compile: 1 graphs" in written and written.strip() in proc.stdout
+    assert "compile_inner" in written  # Dynamo's timers, by phase
