@@ -467,8 +467,8 @@ sharding.FLASH_VARLEN["cpu"] = True
 
 eager = tiny_policy().to(torch.bfloat16)
 compiled = sharding.compile_layers(tiny_policy().to(torch.bfloat16), with_grad=True)
-batches = [make_samples(lengths, seed=i) for i, lengths in
-           enumerate([[(5, 3), (9, 6), (3, 1)], [(7, 4), (2, 9)], [(11, 5), (4, 4), (6, 2), (3, 3)]])]
+lengths = [[(5, 3), (9, 6), (3, 1)], [(7, 4), (2, 9)], [(11, 5), (4, 4), (6, 2), (3, 3)]]
+batches = [make_samples(each, seed=i) for i, each in enumerate(lengths)]
 for samples in batches:
     for model in (eager, compiled):
         model.zero_grad()
