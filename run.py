@@ -259,9 +259,9 @@ class RunArgs:
     warm_compile_caches: bool = flag(
         False,
         "with the in-process engine: a helper process compiles the step's passes on one-layer "
-        "copies of the models while the models load and the engine starts, and the trainer loads "
-        "them from torch's compile caches (on one H200 the first step ended no sooner: 119 s "
-        "after launch against 114 s, docs/benchmarks.md)",
+        "copies of the models while the models load, the engine starts and the first step runs "
+        "eager (at token budgets planned for eager passes); the trainer then loads them from "
+        "torch's compile caches (docs/performance.md)",
     )
     # reward
     custom_reward_function_path: str | None = flag(None, "a .py file")
@@ -773,12 +773,13 @@ class Run:
         self.plan = None  # the memory plan (memory.plan) on a GPU
         self.engine, self.logger, self.stop, self.bar, self.stopping = None, None, None, None, False
         self.warming, self.warm = None, False  # --warm_compile_caches' helper, and whether it runs
+        self.eager_step, self.compile_passes = False, None  # see `make_engine`
 
     def warm_compile_caches(self, update_actor, update_critic=None):
         """--warm_compile_caches: start the helper process (sharding.warm_compile_caches), one per
         machine, with the in-process engine (a pool's engines start beside the trainer, which
         compiles meanwhile: `make_engine`). `update_actor` and `update_critic` are the train
-        script's own; `make_engine` waits for the helper."""
+        script's own. The first step runs eager while the helper compiles (`make_engine`)."""
         args, device = self.args, self.device
         if not args.warm_compile_caches or args.val_only:
             return
@@ -898,11 +899,14 @@ class Run:
                     g["lr"] = base * factor(s.last_epoch)
                 s._last_lr = [g["lr"] for g in opt.param_groups]
 
-    def make_engine(self):
+    def make_engine(self, compile_passes):
         """The rollout engine (--rollout_engine, --engines_per_gpu), with dummy weights until
-        `engine_ready`. Sets `compile_ahead`: a pool's engines start in their own processes, so the
-        script compiles its passes meanwhile (sharding.compile_ahead) where the speed flags
-        compile."""
+        `engine_ready`. `compile_passes(tokens)` compiles a step's passes on a made-up batch
+        (sharding.compile_ahead with the script's models and updates): a pool's engines start in
+        their own processes, so it runs meanwhile where the speed flags compile. With
+        --warm_compile_caches the first step runs eager instead, at token budgets planned for
+        eager passes, while the helper compiles; after it the trainer loads the helper's graphs
+        (`after_eager_step`)."""
         args, device = self.args, self.device
         self.models_loaded = seconds_since_launch()
         engine = make_engine(
@@ -922,20 +926,65 @@ class Run:
         self.compile_ahead = (
             not engine.in_process and not args.val_only and sharding.compiles(args, device)
         )
-        self.made_up_tokens = None  # compile_ahead's batch fills the largest token budget
+        if self.compile_ahead:  # compile_ahead's batch fills the largest token budget
+            compile_passes(None)
         if self.warm:
-            self.join_helper()
-            # the helper's made-up batch, whose graphs are in the caches; the real sizes' few
-            # differences compile in step 1
-            self.compile_ahead, self.made_up_tokens = True, sharding.small_batch_tokens(args)
+            if self.warming is not None:  # the helper may end once it has compiled
+                self.engine_started.set()
+            self.eager_step, self.compile_passes = True, compile_passes
+            self.eager_budgets()
+            torch.compiler.set_stance("force_eager")  # every torch.compile'd function runs eager
+            sharding.compile_logits_math(False)
         return engine
 
+    def eager_budgets(self):
+        """--warm_compile_caches' first step: the token budgets of a plan for eager passes (whose
+        activations and logits take more memory than the compiled ones'), where the flags did not
+        set them, kept until `after_eager_step` restores the compiled ones."""
+        args = self.args
+        names = budget_flags(args)
+        self.compiled_budgets = {name: getattr(args, name) for name in names.values()}
+        self.compiled_plan = self.plan
+        if self.plan is not None and args.use_dynamic_bsz:
+            given = {k: getattr(args, v) for k, v in names.items() if v in given_flags()}
+            # the helper may still be compiling on the first GPU: its models, batch and context
+            gpu = self.plan.gpu - HELPER_GIB * 2**30
+            eager = memory_plan(args, self.world, gpu, self.prompt_len, given, compiled=False)
+            if eager.fits:
+                for key, name in names.items():
+                    setattr(args, name, min(getattr(args, name), eager.budgets[key]))
+                self.plan = eager
+        if self.rank == 0:
+            budgets = " ".join(f"--{name} {getattr(args, name)}" for name in names.values())
+            print(
+                f"the first step runs eager while the helper compiles, with {budgets}", flush=True
+            )
+
+    def after_eager_step(self):
+        """After --warm_compile_caches' eager first step: wait for the helper, then compile the
+        step's passes on the helper's made-up batch, which loads its graphs from the compile
+        caches, with the compiled passes' token budgets back."""
+        args = self.args
+        self.eager_step = False
+        self.join_helper()
+        torch.compiler.set_stance("default")
+        sharding.compile_logits_math(sharding.gpu_default(args.use_torch_compile, self.device))
+        for name, budget in self.compiled_budgets.items():
+            setattr(args, name, budget)
+        self.plan = self.compiled_plan
+        started = seconds_since_launch()
+        self.compile_passes(sharding.small_batch_tokens(args))
+        if self.rank == 0:
+            print(
+                f"compiled the passes in {seconds_since_launch() - started:.1f} s, "
+                f"{cache_hits()} from the helper's compile caches",
+                flush=True,
+            )
+
     def join_helper(self):
-        """Once the engine has started: wait for this machine's --warm_compile_caches helper to
-        end; every rank waits."""
+        """Wait for this machine's --warm_compile_caches helper to end; every rank waits."""
         if self.warming is not None:
             waited = seconds_since_launch()
-            self.engine_started.set()
             self.warming.join()
             atexit.unregister(self.warming.kill)
             print(
@@ -961,7 +1010,6 @@ class Run:
             print(
                 f"models loaded {self.models_loaded:.1f} s after launch, "
                 + (f"passes compiled ahead at {compiled:.1f} s, " if self.compile_ahead else "")
-                + (f"{cache_hits()} from the helper's compile caches, " if self.warm else "")
                 + f"engine ready at {seconds_since_launch():.1f} s",
                 flush=True,
             )
@@ -1072,6 +1120,8 @@ class Run:
         self.logger.log(metrics, step)
         self.bar.update(1)
         self.stopping = stopping
+        if self.eager_step and not (stopping or last_step):
+            self.after_eager_step()
         return stopping
 
     def finish(self, step, metrics, actor, source):
@@ -1157,34 +1207,11 @@ def plan_memory(args, world, device, prompt_len):
         memory_bytes = int(args.gpu_memory_gib * 2**30)
     elif gpu:
         memory_bytes = torch.cuda.get_device_properties(device).total_memory
-    names = {"update": "ppo_max_token_len_per_gpu", "log_prob": "log_prob_max_token_len_per_gpu"}
-    names |= {"critic": "critic_ppo_max_token_len_per_gpu"} if critic else {}
+    names = budget_flags(args)
     plan = None
     if memory_bytes:
-        kl = args.use_kl_loss or args.use_kl_in_reward
-        plan = memory.plan(
-            memory.Shape.of(AutoConfig.from_pretrained(args.model)),
-            memory_bytes,
-            world=world,
-            prompt_len=prompt_len,
-            response_len=args.max_response_length,
-            batch_seqs=args.train_batch_size * args.rollout_n // world,
-            mini_batch_seqs=args.ppo_mini_batch_size * args.rollout_n // world,
-            critic=critic,
-            reference=kl,
-            gradient_checkpointing=args.enable_gradient_checkpointing,
-            critic_gradient_checkpointing=getattr(args, "critic_enable_gradient_checkpointing", 0),
-            fused_kernels=args.use_fused_kernels,
-            compiled_log_probs=args.use_torch_compile is not False,
-            compile_update=args.compile_update,
-            param_offload=args.param_offload,
-            optimizer_offload=args.optimizer_offload,
-            ref_param_offload=args.ref_param_offload,
-            critic_param_offload=getattr(args, "critic_param_offload", False),
-            critic_optimizer_offload=getattr(args, "critic_optimizer_offload", False),
-            engine_share=args.gpu_memory_utilization,
-            budgets={k: getattr(args, v) for k, v in names.items() if getattr(args, v)},
-        )
+        given = {k: getattr(args, v) for k, v in names.items() if getattr(args, v)}
+        plan = memory_plan(args, world, memory_bytes, prompt_len, given)
     if plan is not None:
         for key, name in names.items():
             setattr(args, name, getattr(args, name) or plan.budgets[key])
@@ -1195,6 +1222,46 @@ def plan_memory(args, world, device, prompt_len):
     if args.gpu_memory_utilization is None:
         args.gpu_memory_utilization = 0.6
     return plan
+
+
+HELPER_GIB = 8  # --warm_compile_caches' helper process on a GPU, at most (its one-layer models)
+
+
+def budget_flags(args):
+    """The token-budget flags of this script, by the memory plan's name for each."""
+    names = {"update": "ppo_max_token_len_per_gpu", "log_prob": "log_prob_max_token_len_per_gpu"}
+    return names | (
+        {"critic": "critic_ppo_max_token_len_per_gpu"} if hasattr(args, "critic_model") else {}
+    )
+
+
+def memory_plan(args, world, memory_bytes, prompt_len, budgets, compiled=True):
+    """memory.plan for this run's flags on a GPU of `memory_bytes`, the `budgets` given (the rest
+    chosen); `compiled` False plans every pass eager (--warm_compile_caches' first step)."""
+    critic = hasattr(args, "critic_model")
+    return memory.plan(
+        memory.Shape.of(AutoConfig.from_pretrained(args.model)),
+        memory_bytes,
+        world=world,
+        prompt_len=prompt_len,
+        response_len=args.max_response_length,
+        batch_seqs=args.train_batch_size * args.rollout_n // world,
+        mini_batch_seqs=args.ppo_mini_batch_size * args.rollout_n // world,
+        critic=critic,
+        reference=args.use_kl_loss or args.use_kl_in_reward,
+        gradient_checkpointing=args.enable_gradient_checkpointing,
+        critic_gradient_checkpointing=getattr(args, "critic_enable_gradient_checkpointing", 0),
+        fused_kernels=args.use_fused_kernels,
+        compiled_log_probs=compiled and args.use_torch_compile is not False,
+        compile_update=compiled and args.compile_update,
+        param_offload=args.param_offload,
+        optimizer_offload=args.optimizer_offload,
+        ref_param_offload=args.ref_param_offload,
+        critic_param_offload=getattr(args, "critic_param_offload", False),
+        critic_optimizer_offload=getattr(args, "critic_optimizer_offload", False),
+        engine_share=args.gpu_memory_utilization,
+        budgets=budgets,
+    )
 
 
 def plan_message(plan, args):
@@ -1288,7 +1355,7 @@ def start(args, check_args):
     total_steps = args.total_training_steps or steps_per_epoch * args.total_epochs
     run = Run(args, rank, world, device, reward_fn, tokenizer, train, val, total_steps)
     run.lock = lock  # held until the run ends
-    run.plan = plan
+    run.plan, run.prompt_len = plan, int(mean_prompt) or args.max_prompt_length
     return run
 
 

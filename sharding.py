@@ -634,8 +634,12 @@ def token_log_probs(logits, targets, temperature, with_entropy=False):
 LOGITS_MATH = {"log_probs": token_log_probs}
 
 
-def compile_logits_math():
-    LOGITS_MATH.update(log_probs=compiled_log_probs)
+def compile_logits_math(on=True):
+    """--use_torch_compile's log-prob math in every pass, or (`on` False) the eager math back:
+    --warm_compile_caches' eager first step runs `token_log_probs`, whose memory its plan holds,
+    not the compiled function run eager (which keeps the fp32 log-softmax and its exponential over
+    the whole vocabulary: out of memory on an H200 at 65,536-token micro-batches)."""
+    LOGITS_MATH.update(log_probs=compiled_log_probs if on else token_log_probs)
 
 
 def gpu_default(flag, device):
@@ -1085,14 +1089,15 @@ def set_as_the_engine_will(args):
 
 def warm_compile_caches(args, device, update_actor, update_critic, launched, engine_started):
     """The helper process of --warm_compile_caches (`run.Run.warm_compile_caches`), while the
-    trainer loads its models and starts the in-process engine: `compile_ahead` on randomly
-    initialised one-layer copies of the run's models (the actor, the reference where a KL term
-    needs it, PPO's critic) and a small made-up batch, in a process group of its own. torch.compile
-    keeps what it compiles in caches on disk (inductor's graphs, AOTAutograd's, Triton's kernels),
-    keyed by the graph, and every decoder layer of a model shares one (`compile_layers`): the
-    trainer then runs `compile_ahead` on the same batch (little memory beside the awake engine)
-    and loads the code instead of compiling it. Only the same calls in the same order hit: which
-    sizes torch.compile makes one symbol depends on the sizes it has seen."""
+    trainer loads its models, starts the in-process engine and runs its first step eager:
+    `compile_ahead` on randomly initialised one-layer copies of the run's models (the actor, the
+    reference where a KL term needs it, PPO's critic) and a small made-up batch, in a process group
+    of its own. torch.compile keeps what it compiles in caches on disk (inductor's graphs,
+    AOTAutograd's, Triton's kernels), keyed by the graph, and every decoder layer of a model shares
+    one (`compile_layers`): after its first step the trainer runs `compile_ahead` on the same batch
+    (little memory beside the awake engine) and loads the code instead of compiling it. Only the
+    same calls in the same order hit: which sizes torch.compile makes one symbol depends on the
+    sizes it has seen."""
     from rollout import TORCHRUN_ENV
 
     for key in TORCHRUN_ENV:  # not one of torchrun's workers

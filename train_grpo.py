@@ -273,10 +273,10 @@ def main(args):
     if state is None:  # that run has finished its steps
         return
     # the engine, which generates with the actor's weights (a pool of engines starts in processes of
-    # its own while the step's passes compile here)
-    engine = r.make_engine()
-    if r.compile_ahead:
-        sharding.compile_ahead(actor, ref, args, device, update_actor, tokens=r.made_up_tokens)
+    # its own while the step's passes compile here, on a made-up batch)
+    engine = r.make_engine(
+        lambda tokens: sharding.compile_ahead(actor, ref, args, device, update_actor, tokens=tokens)
+    )
     r.engine_ready(engine, actor)
     if args.val_only:
         return r.validate_only()

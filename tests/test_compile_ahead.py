@@ -123,23 +123,27 @@ def test_made_up_batch_fills_the_largest_token_budget():
 
 
 def test_the_compiling_helper_fills_the_caches_the_trainer_loads(tmp_path):
-    """--warm_compile_caches, one train_grpo.py step with its log-prob math compiled by inductor
-    (whose graphs AOTAutograd's cache keys): the helper process compiled the passes on one-layer
-    copies into empty compile caches, and the trainer's compile_ahead loaded every graph from them
-    (with the layers compiled too: the same, 10 s longer). The helper is spawned from the train
-    script, which Python imports first there (as __mp_main__): unless the helper moves it last in
-    sys.modules (sharding.name_globals_as_the_trainer), pickle names torch's globals by the script
-    in the cache keys, and none matches the trainer's. The engine is the in-process vLLM, whose
-    worker sets the trainer's float32 matmul precision, which the keys hold: the helper sets it as
-    the engine will (sharding.set_as_the_engine_will), or none matches either."""
+    """--warm_compile_caches, two train_grpo.py steps with the log-prob math compiled by inductor
+    (whose graphs AOTAutograd's cache keys): the first step runs eager (nothing compiles in it)
+    while the helper process compiles the passes on one-layer copies into empty compile caches;
+    after it the trainer's compile_ahead loads every graph from them (with the layers compiled
+    too: the same, 10 s longer). The helper is spawned from the train script, which Python imports
+    first there (as __mp_main__): unless the helper moves it last in sys.modules
+    (sharding.name_globals_as_the_trainer), pickle names torch's globals by the script in the cache
+    keys, and none matches the trainer's. The engine is the in-process vLLM, whose worker sets the
+    trainer's float32 matmul precision, which the keys hold: the helper sets it as the engine will
+    (sharding.set_as_the_engine_will), or none matches either."""
     assets = make_assets(tmp_path)
-    run = flags(assets, tmp_path / "run", "vllm", 1, "disable", "--use_torch_compile", "true")
-    run += ["--warm_compile_caches", "true", "--val_before_train", "false", "--test_freq", "-1"]
+    run = flags(assets, tmp_path / "run", "vllm", 2, "disable", "--use_torch_compile", "true")
+    run += ["--warm_compile_caches", "true", "--test_freq", "-1"]
     run += ["--save_freq", "-1", "--export_final", "false"]
     proc = launch(run, nproc=0, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
     assert proc.returncode == 0, proc.output[-6000:]
+    assert "the first step runs eager while the helper compiles" in proc.output, proc.output[-3000:]
     assert "the helper process compiled the passes" in proc.output, proc.output[-3000:]
     assert "for the compiling helper" in proc.output, proc.output[-3000:]
+    # every graph of the process so far came from the caches: the eager step compiled none
     found = re.search(r"(\d+) of (\d+) graphs from the helper's compile caches", proc.output)
     assert found, proc.output[-3000:]
     assert int(found[1]) == int(found[2]) > 0, found[0]
+    assert "step:2" in proc.output, proc.output[-3000:]
