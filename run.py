@@ -1346,7 +1346,8 @@ def start(args, check_args):
     # the memory plan, before any weights load: the prompts' mean length from the data
     prompts = train or val
     mean_prompt = np.mean([len(e.prompt_ids) for e in prompts.examples]) if prompts else 0
-    plan = plan_memory(args, world, device, int(mean_prompt) or args.max_prompt_length)
+    prompt_len = int(mean_prompt) or args.max_prompt_length
+    plan = plan_memory(args, world, device, prompt_len)
     if plan is not None:
         need(plan.fits, plan_message(plan, args))
         if rank == 0:
@@ -1355,7 +1356,7 @@ def start(args, check_args):
     total_steps = args.total_training_steps or steps_per_epoch * args.total_epochs
     run = Run(args, rank, world, device, reward_fn, tokenizer, train, val, total_steps)
     run.lock = lock  # held until the run ends
-    run.plan, run.prompt_len = plan, int(mean_prompt) or args.max_prompt_length
+    run.plan, run.prompt_len = plan, prompt_len  # the eager first step plans again with them
     return run
 
 
