@@ -530,6 +530,10 @@ class Timer:
     a phase that starts and ends with the engine asleep subtracts it: the peak is what the GPU
     held."""
 
+    # --warm_compile_caches' eager first step: each phase starts with the memory torch's allocator
+    # caches given back, so that one phase's large blocks are not split by the next one's tensors
+    release_cache = False
+
     def __init__(self, metrics, device, engine=None):
         self.metrics, self.device, self.engine = metrics, device, engine
         self.inner_done = False  # a phase nested in the current one has recorded its peak
@@ -538,6 +542,8 @@ class Timer:
     def __call__(self, name):
         sync(self.device)
         cuda = self.device.type == "cuda"
+        if cuda and Timer.release_cache:
+            torch.cuda.empty_cache()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         unbacked = self.engine.unbacked_bytes() if self.engine is not None else 0
@@ -944,7 +950,14 @@ class Run:
         args = self.args
         names = budget_flags(args)
         self.compiled_budgets = {name: getattr(args, name) for name in names.values()}
-        self.compiled_plan = self.plan
+        self.compiled_plan, self.compiled_fused = self.plan, args.use_fused_kernels
+        config = AutoConfig.from_pretrained(args.model)
+        if self.device.type == "cuda" and not getattr(config, "final_logit_softcapping", None):
+            # the eager update's output layer chunk by chunk (sharding.fused_log_probs): eager
+            # (K, V) fp32 logits of unequal micro-batches split torch's cached segments until one
+            # no longer fits (an H200 ran out of memory so at 36,864-token micro-batches)
+            args.use_fused_kernels = True
+        Timer.release_cache = self.device.type == "cuda"
         if self.plan is not None and args.use_dynamic_bsz:
             given = {k: getattr(args, v) for k, v in names.items() if v in given_flags()}
             # the helper may still be compiling on the first GPU: its models, batch and context
@@ -956,8 +969,10 @@ class Run:
                 self.plan = eager
         if self.rank == 0:
             budgets = " ".join(f"--{name} {getattr(args, name)}" for name in names.values())
+            fused = " --use_fused_kernels true" if args.use_fused_kernels else ""
             print(
-                f"the first step runs eager while the helper compiles, with {budgets}", flush=True
+                f"the first step runs eager while the helper compiles, with {budgets}{fused}",
+                flush=True,
             )
 
     def after_eager_step(self):
@@ -971,9 +986,12 @@ class Run:
         sharding.compile_logits_math(sharding.gpu_default(args.use_torch_compile, self.device))
         for name, budget in self.compiled_budgets.items():
             setattr(args, name, budget)
-        self.plan = self.compiled_plan
+        self.plan, args.use_fused_kernels = self.compiled_plan, self.compiled_fused
+        Timer.release_cache = False
         started = seconds_since_launch()
-        self.compile_passes(sharding.small_batch_tokens(args))
+        self.compile_passes(
+            sharding.small_batch_tokens(args, AutoConfig.from_pretrained(args.model))
+        )
         if self.rank == 0:
             print(
                 f"compiled the passes in {seconds_since_launch() - started:.1f} s, "
@@ -1224,7 +1242,9 @@ def plan_memory(args, world, device, prompt_len):
     return plan
 
 
-HELPER_GIB = 8  # --warm_compile_caches' helper process on a GPU, at most (its one-layer models)
+# --warm_compile_caches' helper process on a GPU, at most: its one-layer models, and the logits of
+# its made-up batch (sharding.small_batch_tokens) and their gradient
+HELPER_GIB = 16
 
 
 def budget_flags(args):

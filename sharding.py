@@ -1058,10 +1058,20 @@ def compile_ahead(
     )
 
 
-def small_batch_tokens(args):
-    """The size of --warm_compile_caches' made-up batch: two sequences (`made_up_batch`), where
-    `compile_ahead` would fill the largest token budget."""
-    return 2 * (8 + args.max_response_length)
+def small_batch_tokens(args, config):
+    """The size of --warm_compile_caches' made-up batch (`made_up_batch`), where `compile_ahead`
+    would fill the largest token budget: the fewest sequences past the sizes at which inductor's
+    code changes (the guards it put on a made-up batch of 20 tokens, docs/benchmarks.md), so that a
+    real step's micro-batches reuse the graphs: logits (K, V) past 2**31 elements, indexed in 64
+    bits, and a fusion in the layers it makes only below 5,242,880 / hidden size tokens. For
+    Qwen2.5-0.5B at 1,024-token responses: 15 sequences, 15,480 tokens (14,336 of them responses,
+    where 14,134 pass 2**31 logits). At most the largest token budget (whose micro-batches never
+    cross those sizes)."""
+    R = args.max_response_length
+    seqs = 2**31 // (config.vocab_size * R) + 2  # made_up_batch's last response is half as long
+    tokens = max(seqs * (8 + R), 5_242_880 // config.hidden_size + 1)
+    budgets = [args.log_prob_max_token_len_per_gpu, args.ppo_max_token_len_per_gpu]
+    return min(tokens, max(budgets + [getattr(args, "critic_ppo_max_token_len_per_gpu", 0)]))
 
 
 def name_globals_as_the_trainer():
@@ -1122,7 +1132,8 @@ def warm_compile_caches(args, device, update_actor, update_critic, launched, eng
     critic = None
     if update_critic is not None:
         critic = load_critic(args.critic_model, device, args, layers=1)
-    tokens, started = small_batch_tokens(args), time.time() - launched
+    tokens = small_batch_tokens(args, AutoConfig.from_pretrained(args.model))
+    started = time.time() - launched
     compile_ahead(actor, ref, args, device, update_actor, critic, update_critic, tokens)
     dist.destroy_process_group()
     print(

@@ -281,10 +281,12 @@ def test_the_eager_first_step_plans_eager_budgets_and_gives_the_compiled_ones_ba
     tmp_path, monkeypatch
 ):
     """--warm_compile_caches on an H200 at verl's GRPO tutorial shape: the first step runs eager at
-    the budgets of a plan for eager passes on the GPU less the helper's 8 GiB (the update's 36,864
-    tokens against the compiled plan's 49,152; the log-prob passes stay at their cap), printed;
-    after it the compiled plan and budgets are back, the compiler's stance too, and the step's
-    passes compile on the helper's made-up batch (2 x (8 + 1,024) tokens)."""
+    the budgets of a plan for eager passes on the GPU less the helper's 16 GiB, with the update's
+    output layer chunk by chunk (--use_fused_kernels; without it the eager plan's update would
+    take 33,792 tokens against the compiled plan's 49,152) and each phase starting with torch's
+    cached memory given back; after it the compiled plan, budgets and output layer are back, the
+    compiler's stance too, and the step's passes compile on the helper's made-up batch (15 x
+    (8 + 1,024) tokens: 14 full responses make 14,336 x 151,936 logits, past 2**31)."""
     import dataclasses
 
     import torch
@@ -299,33 +301,42 @@ def test_the_eager_first_step_plans_eager_budgets_and_gives_the_compiled_ones_ba
     monkeypatch.setattr(sys, "argv", ["train_grpo.py"])
     args = dataclasses.replace(train_grpo.Args(), model=str(tmp_path), gpu_memory_gib=139.8)
     cpu = torch.device("cpu")
-    r = run.Run(args, 0, 1, cpu, None, None, None, None, 2)
+    # planned as on the GPU (nothing here runs on it)
+    r = run.Run(args, 0, 1, torch.device("cuda"), None, None, None, None, 2)
     r.plan, r.prompt_len = run.plan_memory(args, 1, cpu, 105), 105
     compiled = r.plan
     assert compiled.budgets == {"update": 49152, "log_prob": 65536}
-    eager = memory.plan(
-        memory.Shape.of(QWEN25_05B),
-        compiled.gpu - 8 * GiB,
-        prompt_len=105,
-        response_len=1024,
-        batch_seqs=1280,
-        mini_batch_seqs=320,
-        compiled_log_probs=False,
-        compile_update=False,
-        engine_share=0.6,
-    )
-    assert eager.budgets == {"update": 36864, "log_prob": 65536}
+    eager = {
+        fused: memory.plan(
+            memory.Shape.of(QWEN25_05B),
+            compiled.gpu - 16 * GiB,
+            prompt_len=105,
+            response_len=1024,
+            batch_seqs=1280,
+            mini_batch_seqs=320,
+            fused_kernels=fused,
+            compiled_log_probs=False,
+            compile_update=False,
+            engine_share=0.6,
+        )
+        for fused in (False, True)
+    }
+    assert eager[False].budgets == {"update": 33792, "log_prob": 65536}
+    assert eager[True].budgets == {"update": 49152, "log_prob": 65536}
     r.eager_budgets()
-    assert (args.ppo_max_token_len_per_gpu, args.log_prob_max_token_len_per_gpu) == (36864, 65536)
-    assert r.plan.phases == eager.phases
+    assert (args.ppo_max_token_len_per_gpu, args.log_prob_max_token_len_per_gpu) == (49152, 65536)
+    assert args.use_fused_kernels and run.Timer.release_cache
+    assert r.plan.phases == eager[True].phases
     made_up = []
     r.compile_passes = made_up.append
     torch.compiler.set_stance("force_eager")
     sharding.compile_logits_math(False)
     try:
         r.after_eager_step()
+        assert sharding.LOGITS_MATH["log_probs"] is sharding.compiled_log_probs  # a GPU's math
     finally:
         torch.compiler.set_stance("default")
+        sharding.compile_logits_math(False)
     assert (args.ppo_max_token_len_per_gpu, args.log_prob_max_token_len_per_gpu) == (49152, 65536)
-    assert r.plan is compiled and made_up == [2 * (8 + 1024)] and not r.eager_step
-    assert sharding.LOGITS_MATH["log_probs"] is sharding.token_log_probs  # CPU: eager math
+    assert not args.use_fused_kernels and not run.Timer.release_cache
+    assert r.plan is compiled and made_up == [15 * (8 + 1024)] and not r.eager_step

@@ -171,6 +171,25 @@ def test_phase_peaks_leave_out_the_sleeping_engines_pool(monkeypatch):
     assert plain["perf/max_memory_allocated_gb/save_checkpoint"] == 130.0
 
 
+def test_timer_gives_cached_memory_back_at_each_phase_only_in_the_eager_first_step(monkeypatch):
+    """--warm_compile_caches' eager first step (`Timer.release_cache`): each phase starts with
+    torch's cached memory given back (empty_cache), nested phases too; other steps never call it."""
+    FakeCudaMemory(monkeypatch)
+    released = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(run.PHASES[:]))
+    timer = run.Timer({}, torch.device("cuda"))
+    monkeypatch.setattr(run.Timer, "release_cache", True)
+    with timer("step"), timer("old_log_prob"):
+        pass
+    with timer("update_actor"):
+        pass
+    assert released == [[], ["step"], []]
+    monkeypatch.setattr(run.Timer, "release_cache", False)
+    with timer("step"), timer("update_actor"):
+        pass
+    assert len(released) == 3
+
+
 def test_timer_keeps_the_phases_in_progress_for_a_stuck_runs_message():
     timer = run.Timer({}, torch.device("cpu"))
     with timer("step"):
