@@ -256,12 +256,13 @@ class RunArgs:
         "49152 on an H200), costs compiling in step 1 (about 30 s for GRPO's actor on a fresh "
         "H200, docs/benchmarks.md); default: on with token budgets on a GPU",
     )
-    warm_compile_caches: bool = flag(
-        False,
+    warm_compile_caches: bool | None = flag(
+        None,
         "with the in-process engine: a helper process compiles the step's passes on one-layer "
         "copies of the models while the models load, the engine starts and the first step runs "
         "eager (at token budgets planned for eager passes); the trainer then loads them from "
-        "torch's compile caches (docs/performance.md)",
+        "torch's compile caches (docs/performance.md); default: on a GPU with the in-process "
+        "engine where the passes compile",
     )
     # reward
     custom_reward_function_path: str | None = flag(None, "a .py file")
@@ -787,7 +788,7 @@ class Run:
         compiles meanwhile: `make_engine`). `update_actor` and `update_critic` are the train
         script's own. The first step runs eager while the helper compiles (`make_engine`)."""
         args, device = self.args, self.device
-        if not args.warm_compile_caches or args.val_only:
+        if not warm_compile_caches(args, device) or args.val_only:
             return
         need(
             args.engines_per_gpu == 1,
@@ -1245,6 +1246,14 @@ def plan_memory(args, world, device, prompt_len):
 # --warm_compile_caches' helper process on a GPU, at most: its one-layer models, and the logits of
 # its made-up batch (sharding.small_batch_tokens) and their gradient
 HELPER_GIB = 16
+
+
+def warm_compile_caches(args, device):
+    """--warm_compile_caches as given, or (unset) on where it runs: on a GPU, with the in-process
+    engine, where the step's passes compile."""
+    if args.warm_compile_caches is not None:
+        return args.warm_compile_caches
+    return device.type == "cuda" and args.engines_per_gpu == 1 and sharding.compiles(args, device)
 
 
 def budget_flags(args):

@@ -190,6 +190,19 @@ def test_timer_gives_cached_memory_back_at_each_phase_only_in_the_eager_first_st
     assert len(released) == 3
 
 
+def test_warm_compile_caches_default_is_on_where_it_runs():
+    """Unset, --warm_compile_caches is on exactly on a GPU with the in-process engine and passes
+    that compile; given, it is as given; train_ppo.py's default is off."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert run.warm_compile_caches(Args(), cuda)
+    assert not run.warm_compile_caches(Args(), cpu)
+    assert not run.warm_compile_caches(Args(engines_per_gpu=4), cuda)
+    assert not run.warm_compile_caches(Args(compile_layers=False, use_torch_compile=False), cuda)
+    assert not run.warm_compile_caches(Args(warm_compile_caches=False), cuda)
+    assert run.warm_compile_caches(Args(warm_compile_caches=True), cpu)
+    assert not run.warm_compile_caches(train_ppo.Args(), cuda)
+
+
 def test_timer_keeps_the_phases_in_progress_for_a_stuck_runs_message():
     timer = run.Timer({}, torch.device("cpu"))
     with timer("step"):
