@@ -7,8 +7,9 @@
 #   bash bench/gpu_all.sh grpo      # 3 GRPO steps of the tutorial shape + the per-phase table
 #   bash bench/gpu_all.sh card card_ppo  # the README's command, data paths only (the defaults), 5 steps, +
 #                                   # the per-phase table and the memory plan against the measured peaks
-#   COLD=1 bash bench/gpu_all.sh card_warm card  # the same with --warm_compile_caches (card_ppo_warm: PPO's),
-#                                   # then without, each from empty compile caches: the time to the first step
+#   COLD=1 bash bench/gpu_all.sh card card_nowarm  # GRPO's with its default --warm_compile_caches, then with it
+#                                   # off, each from empty compile caches: the time to the first step (card_warm,
+#                                   # card_ppo_warm: with --warm_compile_caches true)
 #   COLD=1 bash bench/gpu_all.sh card_compile  # the README's GRPO command, 3 steps, through
 #                                   # bench/compile_times.py: where torch.compile's time went (TORCH_LOGS=recompiles
 #                                   # adds why it compiled again; COMPILE_WORKERS_AT_LAUNCH=1 starts inductor's workers first)
@@ -110,8 +111,9 @@ for part in "${parts[@]}"; do
                    --out $OUT/pool_$k --engines_per_gpu $k"
             done ;;
     sync)   cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/bench_engine.py --model $MODEL --out $OUT" ;;
-    card|card_ppo|card_warm|card_ppo_warm) script=train_grpo.py; [[ $part = card_ppo* ]] && script=train_ppo.py
+    card|card_ppo|card_warm|card_ppo_warm|card_nowarm) script=train_grpo.py; [[ $part = card_ppo* ]] && script=train_ppo.py
             warm=""; [[ $part = *_warm ]] && warm="--warm_compile_caches true"
+            [ $part = card_nowarm ] && warm="--warm_compile_caches false"
             cmd="$PY -m torch.distributed.run --nproc_per_node=1 $script --model $MODEL $data $warm \
                  --total_training_steps 5 --default_local_dir $RUNS/$part && cp $RUNS/$part/metrics.jsonl \
                  $OUT/$part.jsonl && $PY bench/phase_table.py $OUT/$part.jsonl $plain && \
@@ -185,7 +187,7 @@ for part in "${parts[@]}"; do
     profile) cmd="TORCH_LOGS=recompiles $PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT \
                   --modes eager all train fused --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 \
                   --repeats 2" ;;
-    *) echo "unknown part $part (test, engine, engine_pool, sync, card, card_ppo, card_warm, card_ppo_warm, card_compile, plan_grpo, plan_ppo, plan_qwen3, grpo, grpo_compiled, grpo_pool, grpo_off_policy,"\
+    *) echo "unknown part $part (test, engine, engine_pool, sync, card, card_ppo, card_warm, card_ppo_warm, card_nowarm, card_compile, plan_grpo, plan_ppo, plan_qwen3, grpo, grpo_compiled, grpo_pool, grpo_off_policy,"\
             "ppo, learn, learn_filter, val, profile, qwen3, scale, fused, scale_1, scale_1_warm,"\
             "scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
   esac
