@@ -571,7 +571,8 @@ class Timer:
 class Logger:
     """Rank 0 only: console line per step (verl's format), jsonl, wandb, tensorboard."""
 
-    def __init__(self, args, out_dir):
+    def __init__(self, args, out_dir, flags=None):
+        """`flags`: the run's flags for wandb's config (`Run.flags`; default: asdict(args))."""
         self.kinds = {k.strip() for k in args.logger.strip("[]").split(",") if k.strip()}
         self.on = sharding.rank() == 0
         self.path, self.wandb, self.tb = os.path.join(out_dir, "metrics.jsonl"), None, None
@@ -584,7 +585,7 @@ class Logger:
             self.wandb = wandb.init(  # its files (an offline run's too) beside metrics.jsonl
                 project=args.project_name,
                 name=args.experiment_name,
-                config=asdict(args),
+                config=flags or asdict(args),
                 dir=out_dir,
             )
         if "tensorboard" in self.kinds:
@@ -952,8 +953,8 @@ class Run:
         names = budget_flags(args)
         self.compiled_budgets = {name: getattr(args, name) for name in names.values()}
         self.compiled_plan, self.compiled_fused = self.plan, args.use_fused_kernels
-        config = AutoConfig.from_pretrained(args.model)
-        if self.device.type == "cuda" and not getattr(config, "final_logit_softcapping", None):
+        actor = self.models.get("actor")
+        if self.device.type == "cuda" and actor is not None and sharding.plain_output_layer(actor):
             # the eager update's output layer chunk by chunk (sharding.fused_log_probs): eager
             # (K, V) fp32 logits of unequal micro-batches split torch's cached segments until one
             # no longer fits (an H200 ran out of memory so at 36,864-token micro-batches)
@@ -962,7 +963,7 @@ class Run:
         if self.plan is not None and args.use_dynamic_bsz:
             given = {k: getattr(args, v) for k, v in names.items() if v in given_flags()}
             # the helper may still be compiling on the first GPU: its models, batch and context
-            gpu = self.plan.gpu - HELPER_GIB * 2**30
+            gpu = self.plan.gpu - helper_bytes(args, AutoConfig.from_pretrained(args.model))
             eager = memory_plan(args, self.world, gpu, self.prompt_len, given, compiled=False)
             if eager.fits:
                 for key, name in names.items():
@@ -975,6 +976,15 @@ class Run:
                 f"the first step runs eager while the helper compiles, with {budgets}{fused}",
                 flush=True,
             )
+
+    def flags(self):
+        """The run's flags as the command line made them, for checkpoints and loggers: during
+        --warm_compile_caches' eager first step, without that step's own budgets and output layer
+        (`eager_budgets`)."""
+        flags = asdict(self.args)
+        if self.eager_step:
+            flags |= self.compiled_budgets | {"use_fused_kernels": self.compiled_fused}
+        return flags
 
     def after_eager_step(self):
         """After --warm_compile_caches' eager first step: wait for the helper, then compile the
@@ -1033,7 +1043,7 @@ class Run:
                 flush=True,
             )
         self.engine = engine
-        self.logger = Logger(args, args.default_local_dir)
+        self.logger = Logger(args, args.default_local_dir, self.flags())
         self.logger.resume(self.step, self.last_row)
         if args.val_only:
             return
@@ -1131,7 +1141,7 @@ class Run:
                     # the step's row too: a crash before it reaches metrics.jsonl loses nothing
                     source.position()
                     | (trainer_state or {})
-                    | {"metrics_row": {"step": step, **metrics}, "args": asdict(args)},
+                    | {"metrics_row": {"step": step, **metrics}, "args": self.flags()},
                     keep_last=args.keep_last_checkpoints,
                 )
             # one during the checkpoint: the run stops now, the checkpoint holds this step
@@ -1243,9 +1253,21 @@ def plan_memory(args, world, device, prompt_len):
     return plan
 
 
-# --warm_compile_caches' helper process on a GPU, at most: its one-layer models, and the logits of
-# its made-up batch (sharding.small_batch_tokens) and their gradient
-HELPER_GIB = 16
+def helper_bytes(args, config):
+    """--warm_compile_caches' helper process on a GPU, at most: its one-layer models (fp32 weights
+    and gradients, a bf16 copy gathered; the reference's without gradients), the logits of its
+    made-up batch (`sharding.small_batch_tokens`) and their gradient in bf16, a quarter more for
+    the rest, and 2 GiB for CUDA's context and the compiler (Qwen2.5-0.5B, GRPO's tutorial:
+    15.7 GiB, its embeddings tied)."""
+    shape = memory.Shape.of(config)
+    params = shape.root_params + shape.layer_params
+    models = params * 10 + (params * 6 if args.use_kl_loss or args.use_kl_in_reward else 0)
+    if hasattr(args, "critic_model"):  # the critic's one layer and its embeddings
+        models += (shape.layer_params + shape.vocab * shape.hidden) * 10
+    tokens = sharding.small_batch_tokens(args, config)
+    response = tokens * args.max_response_length / (8 + args.max_response_length)
+    logits = response * shape.vocab * 2 * 2
+    return int(1.25 * (models + logits)) + 2 * 2**30
 
 
 def warm_compile_caches(args, device):

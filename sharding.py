@@ -468,6 +468,20 @@ class ChunkedLogProbs(torch.autograd.Function):
         )
 
 
+def plain_output_layer(model):
+    """Whether `model`'s output layer is a bias-free linear layer whose logits the model returns
+    unchanged (no soft-capping, as Gemma 2's, no scaling, as Cohere's): what `fused_log_probs`
+    needs, which reads the log-probs from the layer itself."""
+    head = model.get_output_embeddings()
+    config = model.config.get_text_config()
+    scaled = (
+        getattr(config, "final_logit_softcapping", None)
+        or getattr(config, "logit_scale", 1.0) not in (None, 1.0)
+        or getattr(config, "logits_scaling", 1.0) not in (None, 1.0)
+    )
+    return isinstance(head, torch.nn.Linear) and head.bias is None and not scaled
+
+
 @contextlib.contextmanager
 def fused_log_probs(model, select, targets, temperature, chunk_elements=2**28):
     """While the block runs `model`'s forward, its output layer returns, instead of logits over the
@@ -479,9 +493,7 @@ def fused_log_probs(model, select, targets, temperature, chunk_elements=2**28):
     parameters are gathered there, and their gradients are reduced as usual. Only a bias-free linear
     output layer whose logits the model returns as they are (no soft-capping) qualifies."""
     head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None or getattr(
-        model.config, "final_logit_softcapping", None
-    ):
+    if not plain_output_layer(model):
         raise ValueError(
             f"--use_fused_kernels: {type(model).__name__}'s output layer is not a bias-free linear "
             "layer whose logits the model returns unchanged; run without --use_fused_kernels"
@@ -1064,8 +1076,8 @@ def small_batch_tokens(args, config):
     code changes (the guards it put on a made-up batch of 20 tokens, docs/benchmarks.md), so that a
     real step's micro-batches reuse the graphs: logits (K, V) past 2**31 elements, indexed in 64
     bits, and a fusion in the layers it makes only below 5,242,880 / hidden size tokens. For
-    Qwen2.5-0.5B at 1,024-token responses: 15 sequences, 15,480 tokens (14,336 of them responses,
-    where 14,134 pass 2**31 logits). At most the largest token budget (whose micro-batches never
+    Qwen2.5-0.5B at 1,024-token responses: 15 sequences, 15,480 tokens (14,848 of them responses;
+    14,134 pass 2**31 logits). At most the largest token budget (whose micro-batches never
     cross those sizes)."""
     R = args.max_response_length
     seqs = 2**31 // (config.vocab_size * R) + 2  # made_up_batch's last response is half as long

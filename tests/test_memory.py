@@ -281,35 +281,45 @@ def test_the_eager_first_step_plans_eager_budgets_and_gives_the_compiled_ones_ba
     tmp_path, monkeypatch
 ):
     """--warm_compile_caches on an H200 at verl's GRPO tutorial shape: the first step runs eager at
-    the budgets of a plan for eager passes on the GPU less the helper's 16 GiB, with the update's
-    output layer chunk by chunk (--use_fused_kernels; without it the eager plan's update would
-    take 33,792 tokens against the compiled plan's 49,152) and each phase starting with torch's
-    cached memory given back; after it the compiled plan, budgets and output layer are back, the
-    compiler's stance too, and the step's passes compile on the helper's made-up batch (15 x
-    (8 + 1,024) tokens: 14 full responses make 14,336 x 151,936 logits, past 2**31)."""
+    the budgets of a plan for eager passes on the GPU less the helper's memory (18.2 GiB, worked
+    below), with the update's output layer chunk by chunk (--use_fused_kernels; without it the
+    eager plan's update would take 33,792 tokens against the compiled plan's 49,152) and each
+    phase starting with torch's cached memory given back; checkpoints and loggers get the flags as
+    given meanwhile. After it the compiled plan, budgets and output layer are back, the compiler's
+    stance too, and the step's passes compile on the helper's made-up batch (15 x (8 + 1,024)
+    tokens: 14,848 response tokens, whose logits pass 2**31 elements at 151,936 wide)."""
     import dataclasses
 
     import torch
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     import run
     import sharding
     import train_grpo
+    from bench.tiny import tiny_config
 
     config = {k: v for k, v in vars(QWEN25_05B).items() if k != "model_type"}
     AutoConfig.for_model("qwen2", **config).save_pretrained(tmp_path)
+    monkeypatch.setattr(run.Timer, "release_cache", False)
     monkeypatch.setattr(sys, "argv", ["train_grpo.py"])
     args = dataclasses.replace(train_grpo.Args(), model=str(tmp_path), gpu_memory_gib=139.8)
     cpu = torch.device("cpu")
     # planned as on the GPU (nothing here runs on it)
     r = run.Run(args, 0, 1, torch.device("cuda"), None, None, None, None, 2)
     r.plan, r.prompt_len = run.plan_memory(args, 1, cpu, 105), 105
+    r.models = {"actor": AutoModelForCausalLM.from_config(tiny_config())}  # a plain output layer
     compiled = r.plan
+    # the helper: one-layer models (the root's 272,270,208 parameters, untied, and a layer's
+    # 14,912,384) at 10 bytes each, the reference's at 6, and the made-up batch's 15,360 response
+    # tokens of logits and their gradient in bf16, a quarter more, and 2 GiB
+    helper = int(1.25 * (287_182_592 * 16 + 15_360 * 151_936 * 4)) + 2 * GiB
+    assert run.helper_bytes(args, AutoConfig.from_pretrained(tmp_path)) == helper
+    assert round(helper / GiB, 1) == 18.2
     assert compiled.budgets == {"update": 49152, "log_prob": 65536}
     eager = {
         fused: memory.plan(
             memory.Shape.of(QWEN25_05B),
-            compiled.gpu - 16 * GiB,
+            compiled.gpu - helper,
             prompt_len=105,
             response_len=1024,
             batch_seqs=1280,
@@ -327,6 +337,9 @@ def test_the_eager_first_step_plans_eager_budgets_and_gives_the_compiled_ones_ba
     assert (args.ppo_max_token_len_per_gpu, args.log_prob_max_token_len_per_gpu) == (49152, 65536)
     assert args.use_fused_kernels and run.Timer.release_cache
     assert r.plan.phases == eager[True].phases
+    r.eager_step = True  # as make_engine sets it
+    given = r.flags()
+    assert (given["ppo_max_token_len_per_gpu"], given["use_fused_kernels"]) == (49152, False)
     made_up = []
     r.compile_passes = made_up.append
     torch.compiler.set_stance("force_eager")

@@ -203,6 +203,31 @@ def test_warm_compile_caches_default_is_on_where_it_runs():
     assert not run.warm_compile_caches(train_ppo.Args(), cuda)
 
 
+def test_the_compiling_helper_starts_by_default_on_a_gpu(monkeypatch):
+    """`Run.warm_compile_caches` on a GPU starts the helper process with the flag unset, and not
+    with it off (the process is a stand-in: nothing is spawned)."""
+    started = []
+
+    class Process:
+        def __init__(self, target, name, args):
+            self.name = name
+
+        def start(self):
+            started.append(self.name)
+
+        def kill(self):
+            pass
+
+    ctx = SimpleNamespace(Event=lambda: None, Process=Process)
+    monkeypatch.setattr(torch.multiprocessing, "get_context", lambda kind: ctx)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    for flag, warm in ((None, True), (False, False)):
+        r = run.Run(Args(warm_compile_caches=flag), 0, 1, torch.device("cuda"), *[None] * 4, 2)
+        r.warm_compile_caches(None)
+        assert r.warm is warm
+    assert started == ["warm_compile_caches"]
+
+
 def test_timer_keeps_the_phases_in_progress_for_a_stuck_runs_message():
     timer = run.Timer({}, torch.device("cpu"))
     with timer("step"):

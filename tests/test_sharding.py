@@ -359,12 +359,32 @@ def test_fused_log_probs_equal_the_logits_path(model, packed):
     assert logits.shape[-1] == model.config.vocab_size
 
 
-def test_fused_log_probs_refuse_an_output_layer_they_would_get_wrong(model):
-    """A bias or soft-capped logits would be silently dropped: refused, naming the flag."""
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"final_logit_softcapping": 30.0},  # Gemma 2
+        {"logit_scale": 0.0625},  # Cohere
+        {"logits_scaling": 8.0},  # Granite
+        "bias",  # Phi, GPT-J
+    ],
+)
+def test_fused_log_probs_refuse_an_output_layer_they_would_get_wrong(model, change):
+    """A bias, soft-capped or scaled logits would be silently dropped: refused, naming the flag
+    (`plain_output_layer`, which --warm_compile_caches' eager step asks too); a scale of 1 is
+    plain."""
     import copy
 
     m = copy.deepcopy(model)
-    m.config.final_logit_softcapping = 30.0
+    assert sharding.plain_output_layer(m)
+    m.config.logits_scaling = 1.0
+    assert sharding.plain_output_layer(m)
+    if change == "bias":
+        head = m.get_output_embeddings()
+        head.bias = torch.nn.Parameter(torch.zeros(head.out_features))
+    else:
+        for k, v in change.items():
+            setattr(m.config, k, v)
+    assert not sharding.plain_output_layer(m)
     with pytest.raises(ValueError, match="--use_fused_kernels"):
         forward_log_probs(m, make_samples(LENGTHS), 1.0, True, True, fused=True)
 
