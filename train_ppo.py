@@ -78,12 +78,7 @@ class Args(run.RunArgs):
         10, "checkpoint every N steps, the last, on a stop (-1: never)", ge=1, also=(-1,)
     )
     project_name: str = flag("ppo_gsm8k", "for wandb / tensorboard / folders")
-    warm_compile_caches: bool = flag(
-        False,
-        "as train_grpo.py's (a helper process compiles the passes while the first step runs "
-        "eager), off by default here: PPO's first step (9 s on an H200) ends long before the "
-        "helper has compiled, and step 2 waits for it (docs/performance.md)",
-    )
+    warm_compile_caches: bool = flag(False, "off: PPO's step 1 ends before the helper compiles")
 
 
 # --- math: pure tensor functions, no globals, no I/O ---------------------------------------------
