@@ -491,7 +491,7 @@ def fused_log_probs(model, select, targets, temperature, chunk_elements=2**28):
 
     The layer runs where the model calls it, inside its forward: under FSDP2 the root unit's
     parameters are gathered there, and their gradients are reduced as usual. Only a bias-free linear
-    output layer whose logits the model returns as they are (no soft-capping) qualifies."""
+    output layer whose logits the model returns as they are qualifies (`plain_output_layer`)."""
     head = model.get_output_embeddings()
     if not plain_output_layer(model):
         raise ValueError(
