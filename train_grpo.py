@@ -70,6 +70,16 @@ def compute_grpo_outcome_advantage(scores, response_mask, n, norm_adv_by_std=Tru
     return adv.reshape(-1, 1) * response_mask
 
 
+def place_scores(scores, response_mask):
+    """Each response's score on its last token, 0 elsewhere: scores (N,), response_mask (N, T) ->
+    token-level scores (N, T), verl's token_level_scores. An outcome reward arrives with the token
+    that ends the response."""
+    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+    placed = torch.zeros_like(response_mask)
+    placed[torch.arange(len(scores)), last] = scores
+    return placed
+
+
 def agg_loss(loss_mat, response_mask, mode, num_tokens, num_seqs, max_response_length):
     """Aggregate a per-token loss (N, T) into a scalar, with *global* denominators.
 
@@ -309,9 +319,7 @@ def main(args):
             # 4 advantages: the score sits on the last response token; KL-in-reward spreads
             # -kl_coef * KL over the tokens
             with timer("adv"):
-                last = (response_mask.sum(-1).long() - 1).clamp(min=0)
-                token_level_rewards = torch.zeros_like(response_mask)
-                token_level_rewards[torch.arange(len(samples)), last] = batch.scores
+                token_level_rewards = place_scores(batch.scores, response_mask)  # (N/world, T)
                 if args.use_kl_in_reward:
                     kl = kl_penalty(old_log_probs, ref_log_probs, "k1") * response_mask
                     token_level_rewards = token_level_rewards - args.kl_coef * kl

@@ -84,6 +84,16 @@ class Args(run.RunArgs):
 # --- math: pure tensor functions, no globals, no I/O ---------------------------------------------
 
 
+def place_scores(scores, response_mask):
+    """Each response's score on its last token, 0 elsewhere: scores (N,), response_mask (N, T) ->
+    token-level scores (N, T), verl's token_level_scores. An outcome reward arrives with the token
+    that ends the response."""
+    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+    placed = torch.zeros_like(response_mask)
+    placed[torch.arange(len(scores)), last] = scores
+    return placed
+
+
 def compute_gae_advantage_return(
     token_level_rewards, values, response_mask, gamma, lam, whiten=True
 ):
@@ -476,9 +486,7 @@ def main(args):
             # beta * KL on every token, then GAE. Over the whole batch, gathered on every rank: the
             # controller's KL and the whitening are batch statistics (as in verl).
             with timer("adv"):
-                last = (response_mask.sum(-1).long() - 1).clamp(min=0)
-                scores = torch.zeros_like(response_mask)  # token-level: on the last token
-                scores[torch.arange(len(samples)), last] = batch.scores
+                scores = place_scores(batch.scores, response_mask)  # (N/world, T)
                 kl_terms = (old_log_probs, ref_log_probs) if args.use_kl_in_reward else ()
                 gathered = sharding.gather_rows(scores, values, response_mask, *kl_terms)
                 all_scores, all_values, all_mask, *all_log_probs = gathered  # (N, T_max)
