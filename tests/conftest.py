@@ -23,6 +23,7 @@ SLOW_FIRST = [
     "test_compile_ahead.py",
     "test_ending.py",
     "test_engine.py",
+    "test_update.py",
     "test_fork.py",
     "test_gpu_scripts.py",
     "test_demo.py",

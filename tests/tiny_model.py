@@ -1,8 +1,13 @@
-"""Test helpers: a free port, random samples, a gradient recorder. The tiny model itself is
-bench/tiny.py."""
+"""Test helpers: a free port, a torchrun launch, random samples, a gradient recorder. The tiny model
+itself is bench/tiny.py."""
 
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -15,6 +20,48 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(nproc: int, script: str, work: Path, timeout: int = 400) -> None:
+    """`torchrun --nproc_per_node=NPROC SCRIPT WORK` from the repo root on CPU (gloo, one thread a
+    rank), its output in WORK/SCRIPT_NAME.log; a failure fails the test with the log's last
+    lines."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_NO_USAGE_STATS="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_port",
+        str(free_port()),
+        script,
+        str(work),
+    ]
+    log = Path(work) / f"{Path(script).stem}_{nproc}.log"
+    try:
+        with open(log, "w") as f:
+            proc = subprocess.run(
+                cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+            )
+        failed = proc.returncode != 0 and f"exit code {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        failed = "timed out"
+    if failed:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:])
+        pytest.fail(f"{' '.join(cmd)}: {failed}; last lines of {log}:\n{tail}", pytrace=False)
 
 
 def make_samples(lengths, seed=0):
