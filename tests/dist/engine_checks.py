@@ -312,7 +312,19 @@ def main(work: str) -> list[dict]:
     r["gap_bf16_push"] = rescore(
         model, prompts, engine.generate(prompts, n=2, temperature=1.0, max_tokens=MAX_TOKENS), 1.0
     )
+    # a push that leaves a tensor out is refused, naming it
+    partial = [(k, v) for k, v in sharding.iter_full_tensors(model) if k != "model.norm.weight"]
+    try:
+        engine.update_weights(iter(partial))
+        r["partial_push"] = "accepted"
+    except ValueError as e:
+        r["partial_push"] = str(e)
     engine.update_weights(sharding.iter_full_tensors(model))
+    # the engine's own parameters (vLLM's: q/k/v and gate/up stacked, repacked for its kernels), for
+    # load_checks.py to compare with an engine that loads the exported weights from disk
+    engine_weights = engine.llm.apply_model(
+        lambda m: {n: p.detach().clone() for n, p in m.named_parameters()}
+    )[0]
 
     # --- 6. a save that dies midway leaves the previous checkpoint as the latest, and it loads
     real_save = sharding.dcp.save
@@ -380,6 +392,7 @@ def main(work: str) -> list[dict]:
                 "trainer_state": trainer_state,
                 "greedy_tokens": hf_trained,
                 "prompts": prompts,
+                "engine_weights": engine_weights,
             },
             os.path.join(work, "reference.pt"),
         )

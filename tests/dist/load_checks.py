@@ -106,6 +106,17 @@ def main(work: str) -> dict:
     )
     tokens, _ = greedy(engine, prompts)
     r["export_vllm_greedy"] = tokens == ref["greedy_tokens"]
+    # the engine that was pushed the trained weights holds what this one loaded from their export
+    loaded = engine.llm.apply_model(
+        lambda m: {n: p.detach().clone() for n, p in m.named_parameters()}
+    )[0]
+    pushed = ref["engine_weights"]
+    r["engine_weight_names_equal"] = sorted(loaded) == sorted(pushed)
+    r["engine_weights_max_diff"] = max(
+        (loaded[k].float() - pushed[k].float()).abs().max().item()
+        for k in loaded
+        if k in pushed and loaded[k].numel()  # vLLM keeps a few empty placeholders
+    )
     r["max_tokens"] = MAX_TOKENS
     return r
 
