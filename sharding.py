@@ -33,14 +33,12 @@ import errno
 import functools
 import json
 import os
-import random
 import re
 import shutil
 import sys
 import time
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -1164,25 +1162,6 @@ def warm_compile_caches(args, device, update_actor, update_critic, launched, eng
 # --------------------------------------------------------------------------- checkpoints
 
 
-def _rng_state() -> dict:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 def _step_of(folder: str) -> int | None:
     m = re.fullmatch(r"global_step_(\d+)", folder)
     return int(m.group(1)) if m else None
@@ -1219,6 +1198,9 @@ def save_checkpoint(
     writes its shards into `root/.tmp_global_step_{step}`; then rank 0 writes the trainer state
     (JSON: step, data position, ...) and the schedulers, marks the folder COMPLETE and renames it.
     A folder without the marker is never loaded. Keeps the newest `keep_last` checkpoints.
+    No random number generator's state is kept: nothing in a step draws from one (the engines seed
+    each generation from the seed, step and round, the data order from the seed and epoch), so a
+    resumed run replays an uninterrupted one without it (tests/test_train_grpo.py).
     """
     final = os.path.join(root, f"global_step_{step}")
     tmp = os.path.join(root, f".tmp_global_step_{step}")
@@ -1232,8 +1214,6 @@ def save_checkpoint(
         state[f"optim.{k}"] = get_optimizer_state_dict(models[k], opt)
     with _writing(tmp, root, f"checkpoint {final}"):
         dcp.save(state, checkpoint_id=tmp)
-        # RNG streams are per rank; at another world size ranks without a file keep their seeding.
-        torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank()}.pt"))
     barrier()
     if rank() == 0:
         with _writing(tmp, root, f"checkpoint {final}"):
@@ -1336,9 +1316,6 @@ def load_checkpoint(
         set_optimizer_state_dict(models[k], opt, state[f"optim.{k}"])
     for k, s in (schedulers or {}).items():
         s.load_state_dict(extra["schedulers"][k])
-    rng_file = os.path.join(path, f"rng_rank{rank()}.pt")
-    if os.path.exists(rng_file):
-        _set_rng_state(torch.load(rng_file, weights_only=False))
     return trainer_state
 
 

@@ -337,8 +337,12 @@ def test_two_steps_log_every_metric_and_change_the_policy(run, assets, request):
         assert not missing, f"step {step} lacks {missing}"
         bad = {k: m[step][k] for k in names if not math.isfinite(m[step][k])}
         assert not bad, f"step {step}: non-finite {bad}"
-        # fp32 trainer and fp32 engine: the engine generated with exactly the trainer's weights
-        assert m[step]["rollout/logprob_gap_mean"] < 1e-3
+        # fp32 trainer and fp32 engine: the engine generated with exactly the trainer's weights;
+        # what is left is the two forwards' float rounding (~1e-6; a push without
+        # model.norm.weight made it ~7e-5)
+        assert m[step]["rollout/logprob_gap_mean"] < 1e-5
+        # no KL in the reward: the rewards are the scores, each once (on the last token)
+        assert m[step]["critic/rewards/mean"] == pytest.approx(m[step]["critic/score/mean"])
         assert m[step]["actor/grad_norm"] > 0
         assert 0 < m[step]["response_length/mean"] <= m[step]["response_length/max"] <= 16
         assert (
