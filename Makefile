@@ -6,7 +6,7 @@ REQ     := requirements-$(GPU).txt
 STAMP   := .venv/.installed-$(GPU)
 NPROC   ?= 1
 
-.PHONY: install lint test test-gpu bench bench-engine bench-profile bench-reward demo plot lock-cpu data clean
+.PHONY: install lint test mutate mutate-all test-gpu bench bench-engine bench-profile bench-reward demo plot lock-cpu data clean
 
 install: $(STAMP)
 
@@ -32,6 +32,15 @@ lint: install
 TEST_WORKERS ?= 2
 test: install lint
 	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
+
+# Realistic one-line bugs (a sign, a missing factor, a count on one rank, a tensor the push forgets),
+# each made alone in a copy of the tree, and the tests that must fail on it (tests/mutations.py):
+# the fast tier (unit and two-rank tests, about 10 minutes on 2 cores), then every bug.
+mutate: install
+	$(PY) tests/mutations.py
+
+mutate-all: install
+	$(PY) tests/mutations.py --all
 
 # GPU-only checks (skip cleanly without a GPU): the engine on NCCL with sleep mode, bf16 parity.
 # GPU targets do not install: GPU machines may be offline (see docs/gpu.md for staging vLLM there).
