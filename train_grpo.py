@@ -56,6 +56,16 @@ class Args(run.RunArgs):
 # --- math: pure tensor functions, no globals, no I/O ---------------------------------------------
 
 
+def place_scores(scores, response_mask):
+    """Each response's score on its last token, 0 elsewhere: scores (N,), response_mask (N, T) ->
+    token-level scores (N, T), verl's token_level_scores. An outcome reward arrives with the token
+    that ends the response."""
+    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+    placed = torch.zeros_like(response_mask)
+    placed[torch.arange(len(scores)), last] = scores
+    return placed
+
+
 def compute_grpo_outcome_advantage(scores, response_mask, n, norm_adv_by_std=True, eps=1e-6):
     """A_i = (r_i - mean(r_group)) / (std(r_group) + eps) for every token of response i.
 
@@ -68,16 +78,6 @@ def compute_grpo_outcome_advantage(scores, response_mask, n, norm_adv_by_std=Tru
     if norm_adv_by_std:
         adv = adv / (grouped.std(-1, keepdim=True) + eps)
     return adv.reshape(-1, 1) * response_mask
-
-
-def place_scores(scores, response_mask):
-    """Each response's score on its last token, 0 elsewhere: scores (N,), response_mask (N, T) ->
-    token-level scores (N, T), verl's token_level_scores. An outcome reward arrives with the token
-    that ends the response."""
-    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
-    placed = torch.zeros_like(response_mask)
-    placed[torch.arange(len(scores)), last] = scores
-    return placed
 
 
 def agg_loss(loss_mat, response_mask, mode, num_tokens, num_seqs, max_response_length):
