@@ -30,8 +30,9 @@ import torch.distributed as dist
 
 import reward
 from data.dataset import PromptOrder
+from passes import response_targets
 from rollout import exclusive_tracing, group_share, logprob_gap, turn_to_generate
-from sharding import all_sum, gather_objects, iter_full_tensors, response_targets
+from sharding import all_sum, gather_objects, iter_full_tensors
 
 
 @dataclass
@@ -150,7 +151,7 @@ class Batches:
     `data.dataset.PromptOrder` keeps (resumed from a checkpoint's trainer state `state`), generated
     by `engine` and scored by the run's reward function. The engine sleeps while the step trains;
     `push_weights` hands it the updated policy (`actor`'s). The extras of the module's docstring
-    follow their flags (run.RunArgs), all off by default."""
+    follow their flags (flags.RunArgs), all off by default."""
 
     def __init__(self, run, engine, actor, state):
         args, self.run, self.engine, self.actor, self.args = run.args, run, engine, actor, run.args

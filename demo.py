@@ -11,8 +11,9 @@ Everything is made on the spot, nothing is downloaded:
      sloppy teacher who forgets the carry most of the time (47+38 -> 75 instead of 85), so the
      model starts right on about a third of its samples and, greedily, on under half of the
      held-out problems: a known mistake for RL to fix;
-  4. RL: train_grpo.main (the real trainer, unchanged) with the rule reward of reward.py
-     (1.0 when the first number of the response is the sum). It writes metrics.jsonl,
+  4. RL: train_grpo.main (the real trainer, unchanged; `--script train_rloo.py` runs a fork of it
+     instead) with the rule reward of reward.py (1.0 when the first number of the response is the
+     sum). It writes metrics.jsonl,
      checkpoints and the final policy as a real run does, and plot.py draws the metrics.
 
 All settings are in CONFIG below; seeds make a run repeatable. `--quick` runs a few steps of each
@@ -20,6 +21,7 @@ phase, to check that the pipeline works (tests/test_demo.py).
 """
 
 import argparse
+import importlib.util
 import json
 import random
 import shutil
@@ -30,7 +32,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 import plot
-import train_grpo
 from bench.tiny import make_tiny_tokenizer  # one token per byte, Qwen's chat template
 from data import arith
 
@@ -53,7 +54,7 @@ CONFIG = dict(
     ),
     # supervised warm start on the train split; the teacher forgets the carry with this probability
     warm_start=dict(steps=600, batch_size=128, lr=3e-3, forget_carry=0.7),
-    # train_grpo.Args: everything not named here keeps the trainer's default
+    # the train script's Args: everything not named here keeps the trainer's default
     grpo=dict(
         rollout_engine="hf",
         train_batch_size=32,
@@ -172,7 +173,15 @@ def summary(metrics_path):
     )
 
 
-def main(quick=False, out=OUT, seed=None):
+def load_script(path):
+    """A train script (train_grpo.py, or a fork of it) as a module: its Args and main."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(quick=False, out=OUT, seed=None, script=ROOT / "train_grpo.py"):
     cfg = {
         k: (v | QUICK.get(k, {}) if quick and isinstance(v, dict) else v) for k, v in CONFIG.items()
     }
@@ -200,11 +209,16 @@ def main(quick=False, out=OUT, seed=None):
     model.save_pretrained(base)
     tokenizer.save_pretrained(base)
 
-    print("4 GRPO: reward 1.0 when the first number of the response is the sum", flush=True)
+    trainer = load_script(script)
+    print(
+        f"4 RL with {Path(script).name}: reward 1.0 when the first number of the response is the "
+        "sum",
+        flush=True,
+    )
     run_dir = out / "arith"
     # the demo starts over each time; a real run would resume
     shutil.rmtree(run_dir, ignore_errors=True)
-    args = train_grpo.Args(
+    args = trainer.Args(
         model=base,
         train_files=str(paths["train"]),
         val_files=str(paths["test"]),
@@ -212,7 +226,7 @@ def main(quick=False, out=OUT, seed=None):
         seed=cfg["seed"],
         **cfg["grpo"],
     )
-    train_grpo.main(args)
+    trainer.main(args)
     metrics = Path(args.default_local_dir) / "metrics.jsonl"
     print(summary(metrics))
     print(f"figure: {plot.plot([metrics.parent], metrics.parent / 'metrics.png')}")
@@ -230,7 +244,12 @@ if __name__ == "__main__":
     parser.add_argument(
         "--seed", type=int, default=None, help=f"overrides CONFIG's seed ({CONFIG['seed']})"
     )
+    parser.add_argument(
+        "--script",
+        default=str(ROOT / "train_grpo.py"),
+        help="the train script the RL phase runs: train_grpo.py or a fork of it",
+    )
     cli = parser.parse_args()
     start = time.perf_counter()
-    main(cli.quick, cli.out, cli.seed)
+    main(cli.quick, cli.out, cli.seed, cli.script)
     print(f"demo finished in {time.perf_counter() - start:.0f}s")

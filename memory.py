@@ -24,6 +24,7 @@ in bytes; the table prints GiB, as `perf/max_memory_allocated_gb/<phase>` logs t
 allocated bytes, without its cache or the CUDA context: `usable` leaves room for those).
 """
 
+import math
 from dataclasses import dataclass, field
 
 GiB = 2**30
@@ -248,3 +249,103 @@ def advice(args):
     tips.append(f"a shorter --max_response_length (now {args.max_response_length})")
     tips.append("more GPUs (FSDP2 shards weights and optimizer over them) or a smaller model")
     return tips
+
+
+# --- the run's plan: its models (models.Model) and flags ------------------------------------------
+
+
+def budget_flags(specs):
+    """The token-budget flags of a run's passes, each once, in the order of its models."""
+    return list(dict.fromkeys(flag for spec in specs for flag in spec.budget_flags()))
+
+
+def memory_plan(args, specs, world, memory_bytes, prompt_len, budgets, compiled=True):
+    """`plan` for a run's models (`specs`) and flags on a GPU of `memory_bytes`, the `budgets` given
+    (a dict by flag; the rest chosen); `compiled` False plans every pass eager
+    (--warm_compile_caches' first step). Returns the plan with its budgets by flag."""
+    from transformers import AutoConfig
+
+    policy = specs[0]  # the policy the engine generates with
+    frozen = [s for s in specs if not s.trained and not s.value]
+    value = next((s for s in specs if s.value), None)
+    keys = {policy.passes[1]: "log_prob", policy.update[1]: "update"}
+    keys |= {value.update[1]: "critic"} if value else {}
+    p = plan(
+        Shape.of(AutoConfig.from_pretrained(policy.path)),
+        memory_bytes,
+        world=world,
+        prompt_len=prompt_len,
+        response_len=args.max_response_length,
+        batch_seqs=args.train_batch_size * args.rollout_n // world,
+        mini_batch_seqs=args.ppo_mini_batch_size * args.rollout_n // world,
+        critic=value is not None,
+        reference=bool(frozen),
+        gradient_checkpointing=policy.gradient_checkpointing,
+        critic_gradient_checkpointing=value is not None and value.gradient_checkpointing,
+        fused_kernels=args.use_fused_kernels,
+        compiled_log_probs=compiled and args.use_torch_compile is not False,
+        compile_update=compiled and args.compile_update,
+        param_offload=policy.param_offload,
+        optimizer_offload=policy.optimizer_offload,
+        ref_param_offload=bool(frozen) and frozen[0].param_offload,
+        critic_param_offload=value is not None and value.param_offload,
+        critic_optimizer_offload=value is not None and value.optimizer_offload,
+        engine_share=args.gpu_memory_utilization,
+        budgets={keys[flag]: tokens for flag, tokens in budgets.items()},
+    )
+    p.budgets = {flag: p.budgets[key] for flag, key in keys.items()}
+    return p
+
+
+def plan_memory(args, specs, world, device, prompt_len, given):
+    """Fill the speed and memory flags left to their defaults: on a GPU (or for --gpu_memory_gib),
+    micro-batches by the token budgets the memory planner picks, the update compiled, the engine's
+    share of what the trainer leaves; on a CPU, the small fixed ones. Returns the plan (None on a
+    CPU without --gpu_memory_gib). A flag given on the command line (`given`) always wins, and a
+    per-sequence micro-batch size given there keeps verl's meaning (no token budgets)."""
+    gpu = device.type == "cuda"
+    planning = gpu or args.print_plan or args.gpu_memory_gib is not None
+    per_sequence = {flag for spec in specs for flag in spec.micro_batch_flags()}
+    if args.use_dynamic_bsz is None:
+        args.use_dynamic_bsz = planning and not (per_sequence & given)
+    if args.compile_update is None:
+        args.compile_update = planning and args.use_dynamic_bsz and args.compile_layers is not False
+    args.compile_update = bool(args.compile_update)
+    memory_bytes = None
+    if args.gpu_memory_gib:
+        memory_bytes = int(args.gpu_memory_gib * GiB)
+    elif gpu:
+        import torch
+
+        memory_bytes = torch.cuda.get_device_properties(device).total_memory
+    names = budget_flags(specs)
+    result = None
+    if memory_bytes:
+        chosen = {name: getattr(args, name) for name in names if getattr(args, name)}
+        result = memory_plan(args, specs, world, memory_bytes, prompt_len, chosen)
+    if result is not None:
+        for name in names:
+            setattr(args, name, getattr(args, name) or result.budgets[name])
+        if args.gpu_memory_utilization is None:
+            args.gpu_memory_utilization = math.floor(result.engine_share * 100) / 100
+    for name in names:  # a CPU's, or the per-sequence micro-batches' unused ones
+        setattr(args, name, getattr(args, name) or 16384)
+    if args.gpu_memory_utilization is None:
+        args.gpu_memory_utilization = 0.6
+    return result
+
+
+def plan_message(plan, args, specs):
+    """The plan's table and the flags it set, or what to change when it does not fit."""
+    lines = [plan.table()]
+    if plan.fits:
+        names = [
+            "use_dynamic_bsz",
+            *budget_flags(specs),
+            "compile_update",
+            "gpu_memory_utilization",
+        ]
+        lines.append("  with " + " ".join(f"--{k} {getattr(args, k)}" for k in names))
+    else:
+        lines.append("  to fit, try: " + "; ".join(advice(args)))
+    return "\n".join(lines)

@@ -23,15 +23,19 @@ import torch
 import torch.distributed as dist
 
 import batches
+import flags
+import passes
 import run
 import sharding
-from run import flag
+from flags import flag
+from metrics import Timer
+from models import Model
 
 
 @dataclass
-class Args(run.RunArgs):
+class Args(flags.RunArgs):
     """GRPO's flags, verl's names; the model, data, engine, memory, speed and trainer flags are
-    run.RunArgs'."""
+    flags.RunArgs'."""
 
     # the update: PPO's clipped surrogate, the loss aggregation, the KL to the reference
     actor_lr: float = flag(1e-6, "AdamW learning rate", gt=0)
@@ -204,9 +208,9 @@ def update_actor(
             # agg_loss's mode and global denominators: all micro-batches and ranks of the mini-batch
             agg = args.loss_agg_mode, tokens, (stop - start) * world, args.max_response_length
             mini_loss = torch.zeros((), device=device)
-            for idx in sharding.micro_batches(samples[start:stop], micro, budget):
+            for idx in passes.micro_batches(samples[start:stop], micro, budget):
                 mb = [start + i for i in idx]
-                log_probs, entropy = sharding.policy_forward(
+                log_probs, entropy = passes.policy_forward(
                     actor, [samples[i] for i in mb], args, with_entropy=args.entropy_coeff != 0
                 )
                 Tm = log_probs.shape[1]
@@ -228,7 +232,7 @@ def update_actor(
                 sums["pg_loss"] += pg_loss.detach()
                 for k, v in stats.items():
                     sums[k] += v / tokens
-            norm = sharding.clip_and_step(
+            norm = passes.clip_and_step(
                 actor, optimizer, mini_loss, args.grad_clip, step, "--actor_lr"
             )
             grad_norms.append(norm)
@@ -246,9 +250,9 @@ def update_actor(
 
 def check_args(args, world_size):
     """Fail at start-up, naming the flag, before anything heavy loads (the shared flags:
-    run.check_args); fill in the defaults that depend on other flags."""
-    run.check_args(args, world_size)
-    need = run.need
+    flags.check_args); fill in the defaults that depend on other flags."""
+    flags.check_args(args, world_size)
+    need = flags.need
     need(args.rollout_n > 1, "--rollout_n must be > 1: GRPO compares responses within a group")
     need(
         args.kl_loss_coef is None or args.use_kl_loss,
@@ -266,34 +270,43 @@ def check_args(args, world_size):
     args.kl_coef = 0.001 if args.kl_coef is None else args.kl_coef
 
 
-def main(args):
-    r = run.start(args, check_args)  # process group, flags, reward function, tokenizer, data, steps
-    device, world, n = r.device, r.world, args.rollout_n
-    r.warm_compile_caches(update_actor)  # --warm_compile_caches' helper
+def models(args):
+    """The models this run holds, for the support code to load, plan memory for and compile ahead:
+    the actor (trained) and, where a KL term needs it, the reference (frozen)."""
+    kl = args.use_kl_loss or args.use_kl_in_reward
+    return [
+        Model(
+            "actor",
+            args.model,
+            "old_log_prob",
+            param_offload=args.param_offload,
+            optimizer_offload=args.optimizer_offload,
+            gradient_checkpointing=args.enable_gradient_checkpointing,
+            entropy=args.entropy_coeff != 0,
+        ),
+        Model("ref", args.model, "ref", trained=False, param_offload=args.ref_param_offload)
+        if kl
+        else None,
+    ]
 
-    # models: the actor (trained) and the reference (frozen, only when a KL term is on)
-    actor = sharding.load_policy(args.model, device, not args.val_only, args.param_offload, args)
-    ref = None
-    if (args.use_kl_loss or args.use_kl_in_reward) and not args.val_only:
-        ref = sharding.load_policy(args.model, device, False, args.ref_param_offload, args)
+
+def main(args):
+    r = run.start(args, check_args, models)  # process group, flags, reward, data, memory plan
+    device, world, n = r.device, r.world, args.rollout_n
+    actor, ref = r.load("actor"), r.load("ref")  # FSDP2-sharded; ref None without a KL term
     optimizer = torch.optim.AdamW(actor.parameters(), args.actor_lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, run.lr_lambda(args, r.total_steps))
-    models, optimizers, schedulers = {"actor": actor}, {"actor": optimizer}, {"actor": scheduler}
-    state = r.resume(models, optimizers, schedulers)
+    state = r.resume({"actor": optimizer}, {"actor": scheduler})
     if state is None:  # that run has finished its steps
         return
-    # the engine, which generates with the actor's weights (a pool of engines starts in processes of
-    # its own while the step's passes compile here, on a made-up batch)
-    engine = r.make_engine(
-        lambda tokens: sharding.compile_ahead(actor, ref, args, device, update_actor, tokens=tokens)
-    )
+    engine = r.make_engine()  # the engine, which generates with the actor's weights
     r.engine_ready(engine, actor)
     if args.val_only:
         return r.validate_only()
     source = batches.Batches(r, engine, actor, state)
 
     for step in range(r.step + 1, r.total_steps + 1):
-        metrics, timer = {}, run.Timer({}, device, engine)
+        metrics, timer = {}, Timer({}, device, engine)
         with timer("step"):
             # 1 generate: the engine (awake, with the latest weights) samples n responses a prompt
             # 2 score: a rule or your reward per response; this rank's share of them as tensors
@@ -304,7 +317,7 @@ def main(args):
             # 3 old and reference log-probs, recomputed by the FSDP2 actor (the engine's are a
             # check); the policy's entropy as verl reports it, from the old pass
             with timer("old_log_prob"):
-                old_log_probs, entropy = sharding.log_prob_pass(actor, samples, T, args, True)
+                old_log_probs, entropy = passes.log_prob_pass(actor, samples, T, args, True)
                 n_tokens = sharding.all_sum(response_mask.sum().item(), device=device)[0]
                 agg = args.loss_agg_mode, n_tokens, len(samples) * world, args.max_response_length
                 entropy = agg_loss(entropy, response_mask, *agg).item()
@@ -314,7 +327,7 @@ def main(args):
             metrics |= is_metrics
             if ref is not None:
                 with timer("ref"):
-                    ref_log_probs, _ = sharding.log_prob_pass(ref, samples, T, args)
+                    ref_log_probs, _ = passes.log_prob_pass(ref, samples, T, args)
 
             # 4 advantages: the score sits on the last response token; KL-in-reward spreads
             # -kl_coef * KL over the tokens
@@ -333,9 +346,19 @@ def main(args):
             # 5 update: mini-batches x epochs, micro-batch gradients accumulated, a global mean
             with timer("update_actor"):
                 metrics["actor/lr"] = scheduler.get_last_lr()[0]  # this update's rate
-                kl_ref = ref_log_probs if args.use_kl_loss else None  # the KL loss's reference
-                data = samples, old_log_probs, kl_ref, advantages, response_mask
-                metrics |= update_actor(actor, optimizer, *data, args, step, device, is_weights)
+                metrics |= update_actor(
+                    actor=actor,
+                    optimizer=optimizer,
+                    samples=samples,
+                    old_log_probs=old_log_probs,
+                    ref_log_probs=ref_log_probs if args.use_kl_loss else None,  # the KL loss's
+                    advantages=advantages,
+                    response_mask=response_mask,
+                    args=args,
+                    step=step,
+                    device=device,
+                    is_weights=is_weights,
+                )
                 scheduler.step()
 
             # 6 push the new weights into the engine: FSDP2 shards -> full tensors -> vLLM's loaders

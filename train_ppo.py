@@ -23,15 +23,19 @@ import torch
 import torch.distributed as dist
 
 import batches
+import flags
+import passes
 import run
 import sharding
-from run import flag
+from flags import flag
+from metrics import Timer
+from models import Model
 
 
 @dataclass
-class Args(run.RunArgs):
+class Args(flags.RunArgs):
     """PPO's flags, verl's names; the model, data, engine, memory, speed and trainer flags are
-    run.RunArgs'."""
+    flags.RunArgs'."""
 
     # the samples
     rollout_n: int = flag(1, "responses per prompt", ge=1)
@@ -72,7 +76,7 @@ class Args(run.RunArgs):
     critic_enable_gradient_checkpointing: bool = flag(False, "recompute activations")
     critic_param_offload: bool = flag(False, "critic params, grads and optimizer on CPU")
     critic_optimizer_offload: bool = flag(False, "critic optimizer state on CPU")
-    # the quickstart's shape and cadence (run.RunArgs' defaults are GRPO's)
+    # the quickstart's shape and cadence (flags.RunArgs' defaults are GRPO's)
     max_response_length: int = flag(512, "tokens generated at most", ge=1)
     save_freq: int = flag(
         10, "checkpoint every N steps, the last, on a stop (-1: never)", ge=1, also=(-1,)
@@ -302,9 +306,9 @@ def update_actor(
             # agg_loss's mode and global denominators: all micro-batches and ranks of the mini-batch
             agg = args.loss_agg_mode, tokens, (stop - start) * world, args.max_response_length
             mini_loss = torch.zeros((), device=device)
-            for idx in sharding.micro_batches(samples[start:stop], micro, budget):
+            for idx in passes.micro_batches(samples[start:stop], micro, budget):
                 mb = [start + i for i in idx]
-                log_probs, entropy = sharding.policy_forward(
+                log_probs, entropy = passes.policy_forward(
                     actor, [samples[i] for i in mb], args, with_entropy=args.entropy_coeff != 0
                 )
                 Tm = log_probs.shape[1]
@@ -326,7 +330,7 @@ def update_actor(
                 sums["pg_loss"] += pg_loss.detach()
                 for k, v in stats.items():
                     sums[k] += v / tokens
-            norm = sharding.clip_and_step(
+            norm = passes.clip_and_step(
                 actor, optimizer, mini_loss, args.grad_clip, step, "--actor_lr"
             )
             grad_norms.append(norm)
@@ -359,10 +363,10 @@ def update_critic(critic, optimizer, samples, values, returns, response_mask, ar
             # agg_loss's mode and global denominators: all micro-batches and ranks of the mini-batch
             agg = args.loss_agg_mode, tokens, (stop - start) * world, args.max_response_length
             mini_loss = torch.zeros((), device=device)
-            for idx in sharding.micro_batches(samples[start:stop], micro, budget):
+            for idx in passes.micro_batches(samples[start:stop], micro, budget):
                 mb = [start + i for i in idx]
                 packed = args.use_remove_padding
-                vpreds = sharding.forward_values(critic, [samples[i] for i in mb], packed)
+                vpreds = passes.forward_values(critic, [samples[i] for i in mb], packed)
                 Tm = vpreds.shape[1]
                 mask, old, ret = response_mask[mb, :Tm], values[mb, :Tm], returns[mb, :Tm]
                 vf_losses, stats = compute_value_loss(vpreds, old, ret, mask, args.cliprange_value)
@@ -373,7 +377,7 @@ def update_critic(critic, optimizer, samples, values, returns, response_mask, ar
                 sums["vf_loss"] += vf_loss.detach()
                 sums["vf_clipfrac"] += stats["vf_clipfrac"] / tokens
                 sums["vpred_mean"] += (vpreds.detach() * mask).sum() / tokens
-            norm = sharding.clip_and_step(
+            norm = passes.clip_and_step(
                 critic, optimizer, mini_loss, args.critic_grad_clip, step, "--critic_lr"
             )
             grad_norms.append(norm)
@@ -391,9 +395,9 @@ def update_critic(critic, optimizer, samples, values, returns, response_mask, ar
 
 def check_args(args, world_size):
     """Fail at start-up, naming the flag, before anything heavy loads (the shared flags:
-    run.check_args); fill in the defaults that depend on other flags."""
-    run.check_args(args, world_size)
-    need = run.need
+    flags.check_args); fill in the defaults that depend on other flags."""
+    flags.check_args(args, world_size)
+    need = flags.need
     need(
         args.kl_loss_coef is None or args.use_kl_loss,
         "--kl_loss_coef is set but --use_kl_loss is false",
@@ -417,45 +421,64 @@ def check_args(args, world_size):
     args.critic_model = args.critic_model or args.model
 
 
-def main(args):
-    r = run.start(args, check_args)  # process group, flags, reward function, tokenizer, data, steps
-    device, world, n = r.device, r.world, args.rollout_n
-    r.warm_compile_caches(update_actor, update_critic)  # --warm_compile_caches' helper
+def models(args):
+    """The models this run holds, for the support code to load, plan memory for and compile ahead:
+    the actor (trained), the reference (frozen, where a KL term needs it) and the critic (a value
+    model, trained, with its own memory flags and micro-batches)."""
+    kl = args.use_kl_loss or args.use_kl_in_reward
+    critic = ("critic_ppo_micro_batch_size_per_gpu", "critic_ppo_max_token_len_per_gpu")
+    return [
+        Model(
+            "actor",
+            args.model,
+            "old_log_prob",
+            param_offload=args.param_offload,
+            optimizer_offload=args.optimizer_offload,
+            gradient_checkpointing=args.enable_gradient_checkpointing,
+            entropy=args.entropy_coeff != 0,
+        ),
+        Model("ref", args.model, "ref", trained=False, param_offload=args.ref_param_offload)
+        if kl
+        else None,
+        Model(
+            "critic",
+            args.critic_model,
+            "values",
+            value=True,
+            param_offload=args.critic_param_offload,
+            optimizer_offload=args.critic_optimizer_offload,
+            gradient_checkpointing=args.critic_enable_gradient_checkpointing,
+            passes=critic,
+            update=critic,
+        ),
+    ]
 
-    # models: the actor (trained) and the reference (frozen, only when a KL term is on)
-    actor = sharding.load_policy(args.model, device, not args.val_only, args.param_offload, args)
-    ref = None
-    if (args.use_kl_loss or args.use_kl_in_reward) and not args.val_only:
-        ref = sharding.load_policy(args.model, device, False, args.ref_param_offload, args)
+
+def main(args):
+    r = run.start(args, check_args, models)  # process group, flags, reward, data, memory plan
+    device, world, n = r.device, r.world, args.rollout_n
+    actor, ref = r.load("actor"), r.load("ref")  # FSDP2-sharded; ref None without a KL term
     optimizer = torch.optim.AdamW(actor.parameters(), args.actor_lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, run.lr_lambda(args, r.total_steps))
-    models, optimizers, schedulers = {"actor": actor}, {"actor": optimizer}, {"actor": scheduler}
-    critic = None  # and the critic, with an optimizer of its own
-    if not args.val_only:
-        critic = sharding.load_critic(args.critic_model, device, args)
+    optimizers, schedulers = {"actor": optimizer}, {"actor": scheduler}
+    critic = r.load("critic")  # with an optimizer of its own (None with --val_only)
+    if critic is not None:
         wd = args.critic_weight_decay
         critic_optimizer = torch.optim.AdamW(critic.parameters(), args.critic_lr, weight_decay=wd)
         critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lambda _: 1.0)
-        models["critic"], optimizers["critic"] = critic, critic_optimizer
-        schedulers["critic"] = critic_scheduler
-    state = r.resume(models, optimizers, schedulers)
+        optimizers["critic"], schedulers["critic"] = critic_optimizer, critic_scheduler
+    state = r.resume(optimizers, schedulers)
     if state is None:  # that run has finished its steps
         return
     beta = state.get("kl_coef", args.kl_coef)  # the KL-in-reward coefficient, adapted or not
-    # the engine, which generates with the actor's weights (a pool of engines starts in processes of
-    # its own while the step's passes compile here, on a made-up batch)
-    engine = r.make_engine(
-        lambda tokens: sharding.compile_ahead(
-            actor, ref, args, device, update_actor, critic, update_critic, tokens
-        )
-    )
+    engine = r.make_engine()  # the engine, which generates with the actor's weights
     r.engine_ready(engine, actor)
     if args.val_only:
         return r.validate_only()
     source = batches.Batches(r, engine, actor, state)
 
     for step in range(r.step + 1, r.total_steps + 1):
-        metrics, timer = {}, run.Timer({}, device, engine)
+        metrics, timer = {}, Timer({}, device, engine)
         with timer("step"):
             # 1 generate: the engine (awake, with the latest weights) samples n responses a prompt
             # 2 score: a rule or your reward per response; this rank's share of them as tensors
@@ -466,7 +489,7 @@ def main(args):
             # 3 old and reference log-probs, recomputed by the FSDP2 actor (the engine's are a
             # check); the policy's entropy as verl reports it, from the old pass
             with timer("old_log_prob"):
-                old_log_probs, entropy = sharding.log_prob_pass(actor, samples, T, args, True)
+                old_log_probs, entropy = passes.log_prob_pass(actor, samples, T, args, True)
                 n_tokens = sharding.all_sum(response_mask.sum().item(), device=device)[0]
                 agg = args.loss_agg_mode, n_tokens, len(samples) * world, args.max_response_length
                 entropy = agg_loss(entropy, response_mask, *agg).item()
@@ -476,11 +499,13 @@ def main(args):
             metrics |= is_metrics
             if ref is not None:
                 with timer("ref"):
-                    ref_log_probs, _ = sharding.log_prob_pass(ref, samples, T, args)
+                    ref_log_probs, _ = passes.log_prob_pass(ref, samples, T, args)
 
             # 3b values: the critic's estimate of each token's return, before its update
             with timer("values"):
-                values = sharding.value_pass(critic, samples, T, args)
+                micro = args.critic_ppo_micro_batch_size_per_gpu
+                budget = args.critic_ppo_max_token_len_per_gpu
+                values = passes.value_pass(critic, samples, T, args, micro, budget)
 
             # 4 advantages: the score sits on the last response token; KL-in-reward subtracts
             # beta * KL on every token, then GAE. Over the whole batch, gathered on every rank: the
@@ -515,8 +540,17 @@ def main(args):
             # 5a update the critic: clipped regression of the values toward the returns
             with timer("update_critic"):
                 metrics["critic/lr"] = critic_scheduler.get_last_lr()[0]
-                data = samples, values, returns, response_mask
-                metrics |= update_critic(critic, critic_optimizer, *data, args, step, device)
+                metrics |= update_critic(
+                    critic=critic,
+                    optimizer=critic_optimizer,
+                    samples=samples,
+                    values=values,
+                    returns=returns,
+                    response_mask=response_mask,
+                    args=args,
+                    step=step,
+                    device=device,
+                )
                 critic_scheduler.step()
 
             # 5b update the actor once the critic has warmed up (no actor MFU before: no update):
@@ -524,9 +558,19 @@ def main(args):
             if step > args.critic_warmup:
                 with timer("update_actor"):
                     metrics["actor/lr"] = scheduler.get_last_lr()[0]  # this update's rate
-                    kl_ref = ref_log_probs if args.use_kl_loss else None  # the KL loss's reference
-                    data = samples, old_log_probs, kl_ref, advantages, response_mask
-                    metrics |= update_actor(actor, optimizer, *data, args, step, device, is_weights)
+                    metrics |= update_actor(
+                        actor=actor,
+                        optimizer=optimizer,
+                        samples=samples,
+                        old_log_probs=old_log_probs,
+                        ref_log_probs=ref_log_probs if args.use_kl_loss else None,  # the KL loss's
+                        advantages=advantages,
+                        response_mask=response_mask,
+                        args=args,
+                        step=step,
+                        device=device,
+                        is_weights=is_weights,
+                    )
                     scheduler.step()
 
             # 6 push the new weights into the engine: FSDP2 shards -> full tensors -> vLLM's loaders

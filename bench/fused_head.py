@@ -8,7 +8,7 @@
 For each token count, each way runs in a fresh process: the hidden states (K, H) and the output
 layer's weight (V, H) are random; the loss weighs the log-probs of random targets and the entropy,
 as an update with an entropy bonus does. `logits`: the trainer's path without the flag (the logits
-(K, V), then sharding.token_log_probs with the entropy); `fused`: sharding.ChunkedLogProbs. Peak:
+(K, V), then ops.token_log_probs with the entropy); `fused`: ops.ChunkedLogProbs. Peak:
 torch's allocator counter on a GPU, the process's maximum resident memory on a CPU (which includes
 the ~0.4 GB of the interpreter and torch). Reported beside it: the inputs' own size, and the
 largest gradient difference between the two ways. A way that runs out of GPU memory prints as such.
@@ -30,7 +30,7 @@ def one(way, tokens, hidden_size, vocab, dtype, out):
     import torch
 
     sys.path.insert(0, ROOT)
-    import sharding
+    import ops
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, dtype)
@@ -52,12 +52,12 @@ def one(way, tokens, hidden_size, vocab, dtype, out):
     start = time.perf_counter()
     try:
         if way == "fused":
-            log_probs, entropy = sharding.ChunkedLogProbs.apply(
+            log_probs, entropy = ops.ChunkedLogProbs.apply(
                 hidden, weight, targets, 1.0, max(1, 2**28 // vocab)
             )
         else:
             logits = hidden @ weight.T
-            log_probs, entropy = sharding.token_log_probs(logits, targets, 1.0, with_entropy=True)
+            log_probs, entropy = ops.token_log_probs(logits, targets, 1.0, with_entropy=True)
         (log_probs.exp().sum() + 0.01 * entropy.sum()).backward()
     except torch.OutOfMemoryError:
         with open(out, "w") as f:

@@ -19,7 +19,7 @@
 #   bash bench/gpu_all.sh grpo_off_policy  # the same with --one_step_off_policy (the next batch generated while
 #                                   # a step trains; the engine awake throughout, at 0.3 of the GPU's memory)
 #   bash bench/gpu_all.sh engine_pool  # bench_engine with 1, 4 and 2 engines per GPU (POOL_KS), each against the
-#                                   # same plain vLLM run: tokens/s, how busy the GPU was, sync (rollout.EnginePool)
+#                                   # same plain vLLM run: tokens/s, how busy the GPU was, sync (engine_pool.EnginePool)
 #   bash bench/gpu_all.sh grpo_pool # grpo_compiled with --engines_per_gpu POOL_K (default 4)
 #   bash bench/gpu_all.sh scale_1 scale_1_warm gen_seqs  # 3 GRPO steps on a fresh machine, again with its
 #                                   # caches warm, and with all 1,280 sequences of a step decoding at once
@@ -197,7 +197,7 @@ for part in "${parts[@]}"; do
     export TRITON_CACHE_DIR=$cold/triton TORCHINDUCTOR_CACHE_DIR=$cold/inductor VLLM_CACHE_ROOT=$cold/vllm
   fi
   # SIGTERM to the workers at LIMIT: a training run checkpoints the step in progress and stops
-  # (sharding.StopRequest) within the 45 s before everything is killed (bench/limit.sh)
+  # (ending.StopRequest) within the 45 s before everything is killed (bench/limit.sh)
   bash bench/limit.sh "$LIMIT" 45 "$cmd" > "$OUT/$part.log" 2>&1
   echo "== $part: exit $?"
   if [ "${part%_filter}" = learn ] && [ -f "$LEARN_DIR/metrics.jsonl" ]; then

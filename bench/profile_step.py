@@ -8,11 +8,12 @@ attention) and measures, per token budget of a micro-batch:
 - the log-prob pass over all sequences (no gradient), as `old_log_prob` runs it;
 - forward + backward of a GRPO-like loss over a mini-batch, as `update_actor` runs it (no optimizer
   step);
-each as TFLOP/s and MFU with the trainer's own FLOP count (run.phase_perf), once per --modes entry:
+each as TFLOP/s and MFU with the trainer's own FLOP count (metrics.phase_perf), once per --modes
+entry:
 `eager` (no torch.compile), `logits` (--use_torch_compile: the log-prob / entropy math compiled),
 `all` (that and --compile_layers). Both compile the log-prob math in every pass (with its gradient
-by hand, sharding.CompiledLogProbs) and the rest only where it runs without gradients (the trainer's
-choice, see sharding.no_grad_compiled). `train` compiles as `all` does and the update's layers'
+by hand, ops.CompiledLogProbs) and the rest only where it runs without gradients (the trainer's
+choice, see ops.no_grad_compiled). `train` compiles as `all` does and the update's layers'
 forward and backward too (--compile_update); `fused` compiles as `all` does and computes the
 update's log-probs from the output layer chunk by chunk (--use_fused_kernels). A budget that runs
 out of memory prints as such.
@@ -35,8 +36,11 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import metrics  # noqa: E402
+import models  # noqa: E402
+import ops  # noqa: E402
+import passes  # noqa: E402
 import run  # noqa: E402
-import sharding  # noqa: E402
 import train_grpo  # noqa: E402
 
 
@@ -63,7 +67,7 @@ def log_prob_pass(model, samples, budget, device):
     sync(device)
     t = time.perf_counter()
     T = max(len(r) for _, r in samples)
-    sharding.batched_log_probs(model, samples, 8, 1.0, True, T, budget, with_entropy=True)
+    passes.batched_log_probs(model, samples, 8, 1.0, True, T, budget, with_entropy=True)
     sync(device)
     return time.perf_counter() - t
 
@@ -74,8 +78,8 @@ def update_pass(model, samples, budget, device, fused=False):
     model.train()
     sync(device)
     t = time.perf_counter()
-    for idx in sharding.micro_batches(samples, 8, budget):
-        log_probs, _ = sharding.forward_log_probs(
+    for idx in passes.micro_batches(samples, 8, budget):
+        log_probs, _ = passes.forward_log_probs(
             model, [samples[i] for i in idx], 1.0, True, fused=fused
         )
         (-log_probs.sum() / 1e6).backward()
@@ -122,21 +126,21 @@ def host_and_device_ms(averages):
 
 def load(a, mode, device):
     """The policy as train_grpo.py loads it, with the torch.compile choices of `mode`."""
-    sharding.LOGITS_MATH.update(log_probs=sharding.token_log_probs)  # eager
+    ops.LOGITS_MATH.update(log_probs=ops.token_log_probs)  # eager
     if mode != "eager":
-        sharding.compile_logits_math()
+        ops.compile_logits_math()
     args = train_grpo.Args(
         model=a.model,
         enable_gradient_checkpointing=a.gradient_checkpointing,
         compile_layers=mode in ("all", "train", "fused"),
         compile_update=mode == "train",
     )
-    return sharding.load_policy(a.model, device, True, False, args)
+    return models.load(models.Model("actor", a.model, "old_log_prob"), device, args)
 
 
 def main(a):
     rank, world, device = run.init_distributed()
-    peak = run.measure_peak_flops(device)
+    peak = metrics.measure_peak_flops(device)
     model, reference = None, None
     print(
         f"{'mode':7s} {'pass':9s} {'tokens/micro':>12s} {'first s':>8s} {'seconds':>8s} "
@@ -161,7 +165,7 @@ def main(a):
             )
         # the same numbers whatever compiles: log-probs of 16 sequences against the first mode's
         with torch.no_grad():
-            check = sharding.forward_log_probs(model, samples[:16], 1.0, True, False)[0]
+            check = passes.forward_log_probs(model, samples[:16], 1.0, True, False)[0]
         reference = check if reference is None else reference
         diff = (check - reference).abs()
         print(
@@ -186,7 +190,7 @@ def main(a):
                 torch.cuda.empty_cache()
                 print(f"{mode:7s} {name:9s} {budget:>12d} out of memory", flush=True)
                 return False
-            perf = run.phase_perf(
+            perf = metrics.phase_perf(
                 {f"timing_s/{phase}": dt},
                 config,
                 seq_len,
@@ -217,7 +221,7 @@ def main(a):
         ]
         if not up_fit:
             continue
-        up_idx = sharding.micro_batches(mini, 8, max(up_fit))[0]
+        up_idx = passes.micro_batches(mini, 8, max(up_fit))[0]
         # the timed pass over that one micro-batch (it fits the budget whole): train mode, as
         # update_actor
         update_profile = profiled(
@@ -234,10 +238,10 @@ def main(a):
     if out:
         os.makedirs(out, exist_ok=True)
     if lp_fit:
-        lp_idx = sharding.micro_batches(samples, 8, max(lp_fit))[0]
+        lp_idx = passes.micro_batches(samples, 8, max(lp_fit))[0]
         with torch.no_grad():
             lp_profile = profiled(
-                lambda: sharding.forward_log_probs(
+                lambda: passes.forward_log_probs(
                     model, [samples[i] for i in lp_idx], 1.0, True, False
                 ),
                 device,

@@ -334,7 +334,7 @@ MUTATIONS = [
     Mutation(
         "packed-logits-off-by-one",
         "packed sequences read each response token's log-prob one position late",
-        "sharding.py",
+        "passes.py",
         "keep += range(len(ids) + len(p) - 1, len(ids) + len(p) + len(r) - 1)",
         "keep += range(len(ids) + len(p), len(ids) + len(p) + len(r))",
         ("tests/test_sharding.py::test_packed_log_probs_equal_padded_and_a_loop",),
@@ -342,7 +342,7 @@ MUTATIONS = [
     Mutation(
         "micro-batches-drop-a-sequence",
         "token-budget micro-batches leave the shortest sequence out",
-        "sharding.py",
+        "passes.py",
         "for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):",
         "for i in sorted(range(len(lengths)), key=lambda i: -lengths[i])[:-1]:",
         ("tests/test_sharding.py::test_micro_batches_by_count_and_by_token_budget",),
@@ -379,7 +379,7 @@ MUTATIONS = [
     Mutation(
         "checkpoint-without-optimizer",
         "checkpoints leave AdamW's state out: a resumed run restarts its moments",
-        "sharding.py",
+        "checkpoint.py",
         "for k, opt in (optimizers or {}).items():",
         "for k, opt in {}.items():",
         ("tests/test_engine.py::test_checkpoint_saved_by_2_ranks_resumes_on_1",),

@@ -293,7 +293,7 @@ def test_fsdp2_step_equals_unsharded(ranks):
 SINGLE_RANK = """
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, os.getcwd())
-import sharding
+import checkpoint, compile_ahead, models, ops, passes, sharding  # noqa: F401
 from transformers import AutoModelForCausalLM
 from bench.tiny import tiny_config
 dist.init_process_group("gloo", rank=0, world_size=1)

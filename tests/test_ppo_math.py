@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import batches
-import sharding
+import ops
+import passes
 import train_ppo
 from bench.tiny import tiny_config
-from sharding import forward_values
+from passes import forward_values
 from tests.tiny_model import LENGTHS, GradRecorder, make_samples, tiny_critic
 from train_ppo import (
     Args,
@@ -339,7 +340,7 @@ def critic():
 def test_update_critic_gradient_does_not_depend_on_micro_batch_size(critic, monkeypatch):
     monkeypatch.setattr(train_ppo.dist, "get_world_size", lambda: 1)
     samples = make_samples(LENGTHS, seed=3)
-    mask = sharding.response_targets(samples, 6, "cpu")[1]
+    mask = passes.response_targets(samples, 6, "cpu")[1]
     g = torch.Generator().manual_seed(4)
     with torch.no_grad():
         values = forward_values(critic, samples, True) + 0.3 * torch.randn(4, 6, generator=g) * mask
@@ -381,26 +382,24 @@ def test_update_critic_gradient_does_not_depend_on_micro_batch_size(critic, monk
 
 def test_update_actor_with_fused_kernels_takes_the_same_steps(monkeypatch):
     """--use_fused_kernels reaches the actor's update: every micro-batch's forward runs through
-    sharding.fused_log_probs, and the optimizer steps and metrics equal those without it."""
+    ops.fused_log_probs, and the optimizer steps and metrics equal those without it."""
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setattr(train_ppo.dist, "get_world_size", lambda: 1)
     torch.manual_seed(0)
     actor = AutoModelForCausalLM.from_config(
-        tiny_config(tie=False), dtype=torch.float32, attn_implementation=sharding.PACKED_ATTENTION
+        tiny_config(tie=False), dtype=torch.float32, attn_implementation=ops.PACKED_ATTENTION
     )
     samples = make_samples(LENGTHS, seed=3)
     with torch.no_grad():
-        log_probs, _ = sharding.forward_log_probs(actor, samples, 1.0, True, with_entropy=False)
-    mask = sharding.response_targets(samples, 6, "cpu")[1]
+        log_probs, _ = passes.forward_log_probs(actor, samples, 1.0, True, with_entropy=False)
+    mask = passes.response_targets(samples, 6, "cpu")[1]
     g = torch.Generator().manual_seed(4)
     old_log_probs = (log_probs + 0.4 * (torch.rand(4, 6, generator=g) - 0.5)) * mask
     advantages = torch.randn(4, 6, generator=g) * mask
     calls = []
-    real = sharding.fused_log_probs
-    monkeypatch.setattr(
-        sharding, "fused_log_probs", lambda *a, **k: calls.append(1) or real(*a, **k)
-    )
+    real = ops.fused_log_probs
+    monkeypatch.setattr(ops, "fused_log_probs", lambda *a, **k: calls.append(1) or real(*a, **k))
     results = {}
     for fused in (False, True):
         args = Args(

@@ -14,11 +14,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser
 
+import compile_ahead
+import flags
+import metrics
 import run
 import train_grpo
 import train_ppo
 from bench.tiny import tiny_config
-from run import flops_per_token, lr_lambda
+from metrics import flops_per_token
+from run import lr_lambda
 from train_grpo import Args
 
 
@@ -57,7 +61,7 @@ def test_phase_perf_by_hand():
     # = 81920 1000 tokens, 400 of them response tokens: 1000 * (722944 - 81920) + 400 * 81920
     # = 673792000
     t = {"timing_s/old_log_prob": 2.0, "timing_s/update_actor": 3.0, "timing_s/update_weights": 0.5}
-    perf = run.phase_perf(t, tiny_config(tie=True), 100, 1000, 400, 1e9, 2, 4e9)
+    perf = metrics.phase_perf(t, tiny_config(tie=True), 100, 1000, 400, 1e9, 2, 4e9)
     assert perf["perf/tflops/old_log_prob"] == pytest.approx(673792000 / 2.0 / 1e12)
     assert perf["perf/mfu/old_log_prob"] == pytest.approx(673792000 / 2.0 / 1e9)
     # 3 passes x 2 epochs
@@ -142,8 +146,8 @@ def test_phase_peaks_leave_out_the_sleeping_engines_pool(monkeypatch):
     throughout: 130 - 80 = 50; the sync peaks at 95 and wakes it: kept, 95. The outer step records
     no peak of its own (its inner phases reset the counter), and without an engine nothing is
     subtracted."""
-    memory, engine, metrics = FakeCudaMemory(monkeypatch), SleepyEngine(), {}
-    timer = run.Timer(metrics, torch.device("cuda"), engine)
+    memory, engine, logged = FakeCudaMemory(monkeypatch), SleepyEngine(), {}
+    timer = metrics.Timer(logged, torch.device("cuda"), engine)
     with timer("step"):
         with timer("gen"):
             memory.peak = 90 * 2**30
@@ -155,18 +159,18 @@ def test_phase_peaks_leave_out_the_sleeping_engines_pool(monkeypatch):
             engine.sleeping = False
     peaks = {
         k.split("/")[-1]: v
-        for k, v in metrics.items()
+        for k, v in logged.items()
         if k.startswith("perf/max_memory_allocated_gb/")
     }
     assert peaks == {"gen": 90.0, "update_actor": 50.0, "update_weights": 95.0}
-    assert set(metrics) - {f"perf/max_memory_allocated_gb/{k}" for k in peaks} == {
+    assert set(logged) - {f"perf/max_memory_allocated_gb/{k}" for k in peaks} == {
         "timing_s/step",
         "timing_s/gen",
         "timing_s/update_actor",
         "timing_s/update_weights",
     }
     engine.sleeping, plain = True, {}
-    with run.Timer(plain, torch.device("cuda"))("save_checkpoint"):
+    with metrics.Timer(plain, torch.device("cuda"))("save_checkpoint"):
         memory.peak = 130 * 2**30
     assert plain["perf/max_memory_allocated_gb/save_checkpoint"] == 130.0
 
@@ -176,15 +180,15 @@ def test_timer_gives_cached_memory_back_at_each_phase_only_in_the_eager_first_st
     torch's cached memory given back (empty_cache), nested phases too; other steps never call it."""
     FakeCudaMemory(monkeypatch)
     released = []
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(run.PHASES[:]))
-    timer = run.Timer({}, torch.device("cuda"))
-    monkeypatch.setattr(run.Timer, "release_cache", True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(metrics.PHASES[:]))
+    timer = metrics.Timer({}, torch.device("cuda"))
+    monkeypatch.setattr(metrics.Timer, "release_cache", True)
     with timer("step"), timer("old_log_prob"):
         pass
     with timer("update_actor"):
         pass
     assert released == [[], ["step"], []]
-    monkeypatch.setattr(run.Timer, "release_cache", False)
+    monkeypatch.setattr(metrics.Timer, "release_cache", False)
     with timer("step"), timer("update_actor"):
         pass
     assert len(released) == 3
@@ -194,26 +198,27 @@ def test_warm_compile_caches_default_is_on_where_it_runs():
     """Unset, --warm_compile_caches is on exactly on a GPU with the in-process engine and passes
     that compile; given, it is as given; train_ppo.py's default is off."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert run.warm_compile_caches(Args(), cuda)
-    assert not run.warm_compile_caches(Args(), cpu)
-    assert not run.warm_compile_caches(Args(engines_per_gpu=4), cuda)
-    assert not run.warm_compile_caches(Args(compile_layers=False, use_torch_compile=False), cuda)
-    assert not run.warm_compile_caches(Args(warm_compile_caches=False), cuda)
-    assert run.warm_compile_caches(Args(warm_compile_caches=True), cpu)
-    assert not run.warm_compile_caches(train_ppo.Args(), cuda)
+    warms = compile_ahead.warms
+    assert warms(Args(), cuda)
+    assert not warms(Args(), cpu)
+    assert not warms(Args(engines_per_gpu=4), cuda)
+    assert not warms(Args(compile_layers=False, use_torch_compile=False), cuda)
+    assert not warms(Args(warm_compile_caches=False), cuda)
+    assert warms(Args(warm_compile_caches=True), cpu)
+    assert not warms(train_ppo.Args(), cuda)
 
 
-def test_the_compiling_helper_starts_by_default_on_a_gpu(monkeypatch):
-    """`Run.warm_compile_caches` on a GPU starts the helper process with the flag unset, and not
-    with it off (the process is a stand-in: nothing is spawned)."""
+def test_the_compiling_helper_starts_with_the_scripts_models(monkeypatch):
+    """`compile_ahead.WarmStart` on a GPU's first rank starts the helper process with the models the
+    script declared (the process is a stand-in: nothing is spawned)."""
     started = []
 
     class Process:
         def __init__(self, target, name, args):
-            self.name = name
+            self.name, self.args = name, args
 
         def start(self):
-            started.append(self.name)
+            started.append(self)
 
         def kill(self):
             pass
@@ -221,22 +226,23 @@ def test_the_compiling_helper_starts_by_default_on_a_gpu(monkeypatch):
     ctx = SimpleNamespace(Event=lambda: None, Process=Process)
     monkeypatch.setattr(torch.multiprocessing, "get_context", lambda kind: ctx)
     monkeypatch.setenv("LOCAL_RANK", "0")
-    for flag, warm in ((None, True), (False, False)):
-        r = run.Run(Args(warm_compile_caches=flag), 0, 1, torch.device("cuda"), *[None] * 4, 2)
-        r.warm_compile_caches(None)
-        assert r.warm is warm
-    assert started == ["warm_compile_caches"]
+    args = Args(kl_loss_coef=0.1)
+    specs = [m for m in train_grpo.models(args) if m]
+    compile_ahead.WarmStart(run.Run(args, 0, 1, torch.device("cuda"), specs))
+    (helper,) = started
+    assert helper.name == "warm_compile_caches" and helper.args[2] == specs
+    assert [m.role for m in specs] == ["actor", "ref"]
 
 
 def test_timer_keeps_the_phases_in_progress_for_a_stuck_runs_message():
-    timer = run.Timer({}, torch.device("cpu"))
+    timer = metrics.Timer({}, torch.device("cpu"))
     with timer("step"):
         with timer("gen"):
-            assert run.PHASES == ["step", "gen"]
+            assert metrics.PHASES == ["step", "gen"]
         with pytest.raises(ValueError), timer("update_actor"):
             raise ValueError  # a phase that fails leaves the list too
-        assert run.PHASES == ["step"]
-    assert run.PHASES == []
+        assert metrics.PHASES == ["step"]
+    assert metrics.PHASES == []
     where = run.Run.where(SimpleNamespace(reward_fn=SimpleNamespace(busy="calling it")))
     assert where == "no phase (between two), calling it"
 
@@ -246,7 +252,7 @@ def test_logger_close_finishes_the_background_loggers(tmp_path):
     wandb run and writes tensorboard's pending events (stand-ins here: neither package is installed
     for the tests)."""
     calls = []
-    logger = run.Logger(run.RunArgs(logger="jsonl"), str(tmp_path))
+    logger = metrics.Logger(flags.RunArgs(logger="jsonl"), str(tmp_path))
     logger.close()  # none of them on: nothing to close
     logger.wandb = SimpleNamespace(finish=lambda: calls.append("wandb"))
     logger.tb = SimpleNamespace(close=lambda: calls.append("tensorboard"))
@@ -287,7 +293,7 @@ def test_every_numeric_flag_is_range_checked_at_start_up(script):
 
     check()
     for f in numeric:
-        bounds, also = run.RANGES[f]
+        bounds, also = flags.RANGES[f]
         assert bounds or f.name in UNBOUNDED, f"--{f.name} declares no range"
         cases = [outside(k, v, number_type(f) is int, also) for k, v in bounds.items()]
         cases += [float("nan")] if number_type(f) is float else []
@@ -327,13 +333,13 @@ def test_repair_metrics_keeps_one_row_per_step_across_crashes(tmp_path, capsys):
     rows = [{"step": s, "x": float(s)} for s in range(4)]
     # resumed from step 2's checkpoint: steps 3 on go, and a torn last line (a crash mid-append) too
     write_rows(path, rows, tail='{"step": 4, "x": 4.')
-    run.repair_metrics(str(path), 2)
+    metrics.repair_metrics(str(path), 2)
     assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:3]
     assert "dropped its torn last line 5" in capsys.readouterr().out
     # a crash between step 3's checkpoint and its row: the checkpoint's row is written again
-    run.repair_metrics(str(path), 3, last_row=rows[3])
+    metrics.repair_metrics(str(path), 3, last_row=rows[3])
     assert [json.loads(line) for line in path.read_text().splitlines()] == rows
-    run.repair_metrics(str(path), 3, last_row={"step": 3, "x": -1.0})  # the row is there: kept
+    metrics.repair_metrics(str(path), 3, last_row={"step": 3, "x": -1.0})  # the row is there: kept
     assert [json.loads(line) for line in path.read_text().splitlines()] == rows
 
 
@@ -341,11 +347,11 @@ def test_repair_metrics_names_a_damaged_row_and_keeps_an_earlier_run(tmp_path, c
     path = tmp_path / "metrics.jsonl"
     write_rows(path, [{"step": 1}], tail='{"step": 2, oops}\n{"step": 3}\n')
     with pytest.raises(SystemExit, match=r"metrics.jsonl line 2 is not a JSON row"):
-        run.repair_metrics(str(path), 3)
+        metrics.repair_metrics(str(path), 3)
     # a fresh run in a folder that holds another run's metrics keeps them beside its own
     write_rows(path, [{"step": 0}, {"step": 1}])
     (tmp_path / "metrics.jsonl.1").write_text("taken\n")
-    run.repair_metrics(str(path), 0)
+    metrics.repair_metrics(str(path), 0)
     assert not path.exists() and (tmp_path / "metrics.jsonl.2").read_text().count("step") == 2
     assert "kept as" in capsys.readouterr().out
 

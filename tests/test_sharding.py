@@ -19,9 +19,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import models
+import ops
+import passes
 import sharding
 import train_ppo
-from sharding import entropy_from_logits, forward_log_probs, forward_values, token_log_probs
+from ops import entropy_from_logits, token_log_probs
+from passes import forward_log_probs, forward_values
 from tests.tiny_model import LENGTHS, free_port, make_samples, tiny_critic, tiny_policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,7 +76,7 @@ def test_packed_log_probs_equal_padded_and_a_loop(model):
     assert packed.shape == padded.shape == (4, 6)
     close(packed, padded, atol=1e-5)
     close(packed_entropy, padded_entropy, atol=1e-5)
-    mask = sharding.response_targets(samples, 6, "cpu")[1]
+    mask = passes.response_targets(samples, 6, "cpu")[1]
     for out in (packed, padded, packed_entropy, padded_entropy):
         assert torch.equal(out * (1 - mask), torch.zeros_like(out))  # zero beyond each response
     # a loop over sequences, each alone and unpadded: log_softmax(logits / 0.7) at the response
@@ -98,13 +102,13 @@ def test_compiled_layers_and_logits_math_equal_eager(model, monkeypatch):
     """--compile_layers and --use_torch_compile change kernels, not results: without gradients
     (where they compile) log-probs and entropy of packed batches of two shapes equal the eager ones;
     with gradients the layers run eagerly and the log-probs and entropy through their compiled
-    forward and hand-written backward (sharding.CompiledLogProbs): the gradient equals the eager
+    forward and hand-written backward (ops.CompiledLogProbs): the gradient equals the eager
     one."""
     import copy
 
     from torch._dynamo.utils import counters
 
-    compiled = sharding.compile_layers(copy.deepcopy(model))
+    compiled = ops.compile_layers(copy.deepcopy(model))
     batches = [make_samples(LENGTHS), make_samples([(4, 2), (6, 5), (2, 7)], seed=1)]
 
     def run(m):
@@ -117,8 +121,8 @@ def test_compiled_layers_and_logits_math_equal_eager(model, monkeypatch):
         return out, log_prob_entropy_grads(m, batches[0])[0]
 
     expected, expected_grads = run(model)
-    monkeypatch.setattr(sharding, "LOGITS_MATH", dict(sharding.LOGITS_MATH))
-    sharding.compile_logits_math()
+    monkeypatch.setattr(ops, "LOGITS_MATH", dict(ops.LOGITS_MATH))
+    ops.compile_logits_math()
     counters.clear()
     actual, actual_grads = run(compiled)
     # the layer (around attention) and the logits math
@@ -136,10 +140,10 @@ def test_compile_update_compiles_the_backward_and_keeps_the_gradient(model, monk
 
     samples = make_samples(LENGTHS)
     expected, _ = log_prob_entropy_grads(model, samples)
-    monkeypatch.setattr(sharding, "LOGITS_MATH", dict(sharding.LOGITS_MATH))
-    sharding.compile_logits_math()
+    monkeypatch.setattr(ops, "LOGITS_MATH", dict(ops.LOGITS_MATH))
+    ops.compile_logits_math()
     actual, log_probs = log_prob_entropy_grads(
-        sharding.compile_layers(copy.deepcopy(model), with_grad=True), samples
+        ops.compile_layers(copy.deepcopy(model), with_grad=True), samples
     )
     nodes, seen = [log_probs.grad_fn], set()
     while nodes:  # walk the autograd graph
@@ -160,7 +164,7 @@ def test_compiled_log_probs_by_hand():
     + 2 log p_1 has d/dlogits = g (onehot - p) / T: row 0 [0.366025, -0.366025] / 2, row 1 2
       [-0.633975, 0.633975] / 2."""
     logits = torch.tensor([[math.log(3), 0.0]] * 2, requires_grad=True)
-    log_probs, entropy = sharding.compiled_log_probs(logits, torch.tensor([0, 1]), 2.0)
+    log_probs, entropy = ops.compiled_log_probs(logits, torch.tensor([0, 1]), 2.0)
     assert entropy is None
     close(log_probs, [-0.455746, -1.005052], atol=1e-6)
     (log_probs * torch.tensor([1.0, 2.0])).sum().backward()
@@ -174,7 +178,7 @@ def test_compiled_entropy_by_hand():
     0.367970]; with the entropy unused (a metric), only the first term: [0.25, -0.25]."""
     for weight, grad in ((3.0, [[-0.367970, 0.367970]]), (0.0, [[0.25, -0.25]])):
         logits = torch.tensor([[math.log(3), 0.0]], requires_grad=True)
-        log_probs, entropy = sharding.compiled_log_probs(
+        log_probs, entropy = ops.compiled_log_probs(
             logits, torch.tensor([0]), 1.0, with_entropy=True
         )
         close(log_probs, [-0.287682], atol=1e-6)
@@ -195,7 +199,7 @@ def test_compiled_log_probs_equal_autograd(dtype, with_entropy):
         targets = torch.randint(0, V, (K,), generator=g)
         coef, coef_entropy = torch.randn(K, generator=g), torch.randn(K, generator=g)
         runs = []
-        for fn in (token_log_probs, sharding.compiled_log_probs):
+        for fn in (token_log_probs, ops.compiled_log_probs):
             x = logits.clone().requires_grad_()
             log_probs, entropy = fn(x, targets, 0.7, with_entropy)
             assert log_probs.dtype == torch.float32 and (entropy is None) != with_entropy
@@ -225,17 +229,15 @@ def test_compiled_log_probs_compile_one_forward_for_every_pass(monkeypatch):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    monkeypatch.setattr(sharding, "_COMPILED_LOG_PROBS", {})
+    monkeypatch.setattr(ops, "_COMPILED_LOG_PROBS", {})
     counters.clear()
     for K in (6, 9):  # another micro-batch size: dynamic shapes, no new graph
         logits, targets = torch.randn(K, 11), torch.arange(K)
         with torch.no_grad():
-            sharding.compiled_log_probs(logits, targets, 0.7, with_entropy=True)
-            sharding.compiled_log_probs(logits, targets, 0.7)
+            ops.compiled_log_probs(logits, targets, 0.7, with_entropy=True)
+            ops.compiled_log_probs(logits, targets, 0.7)
         assert counters["stats"]["unique_graphs"] == (2 if K == 6 else 3)  # the two forwards
-        sharding.compiled_log_probs(logits.clone().requires_grad_(), targets, 0.7)[
-            0
-        ].sum().backward()
+        ops.compiled_log_probs(logits.clone().requires_grad_(), targets, 0.7)[0].sum().backward()
         assert counters["stats"]["unique_graphs"] == 3  # and the backward
 
 
@@ -261,14 +263,14 @@ def test_chunked_log_probs_by_hand():
             3]]."""
     h = torch.tensor([[math.log(3)]], dtype=torch.float64, requires_grad=True)
     w = torch.tensor([[1.0], [0.0]], dtype=torch.float64, requires_grad=True)
-    log_probs, entropy = sharding.ChunkedLogProbs.apply(h, w, torch.tensor([0]), 1.0, 1)
+    log_probs, entropy = ops.ChunkedLogProbs.apply(h, w, torch.tensor([0]), 1.0, 1)
     close(log_probs, [-0.287682], atol=1e-6)
     close(entropy, [0.562335], atol=1e-6)
     log_probs.sum().backward()
     close(h.grad, [[0.25]], atol=1e-6)
     close(w.grad, [[math.log(3) / 4], [-math.log(3) / 4]], atol=1e-6)
     h.grad, w.grad = None, None
-    _, entropy = sharding.ChunkedLogProbs.apply(h, w, torch.tensor([0]), 1.0, 1)
+    _, entropy = ops.ChunkedLogProbs.apply(h, w, torch.tensor([0]), 1.0, 1)
     entropy.sum().backward()
     close(h.grad, [[-0.205990]], atol=1e-6)
     close(w.grad, [[-0.205990 * math.log(3)], [0.205990 * math.log(3)]], atol=1e-6)
@@ -299,7 +301,7 @@ def test_chunked_log_probs_equal_autograd_through_whole_logits(chunk):
             entropy_from_logits(h @ w.T / temperature),
         )
     )
-    actual = run(lambda h, w: sharding.ChunkedLogProbs.apply(h, w, targets, temperature, chunk))
+    actual = run(lambda h, w: ops.ChunkedLogProbs.apply(h, w, targets, temperature, chunk))
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
 
@@ -323,7 +325,7 @@ def test_chunked_log_probs_keep_no_logits_for_the_backward():
         return sum(seen.values())
 
     whole = saved_bytes(lambda: token_log_probs(hidden @ weight.T, targets, 1.0))
-    chunked = saved_bytes(lambda: sharding.ChunkedLogProbs.apply(hidden, weight, targets, 1.0, 8))
+    chunked = saved_bytes(lambda: ops.ChunkedLogProbs.apply(hidden, weight, targets, 1.0, 8))
     inputs = (K * H + V * H) * 4 + K * 8
     assert whole >= K * V * 4
     assert chunked <= inputs + 2 * K * 4
@@ -375,16 +377,16 @@ def test_fused_log_probs_refuse_an_output_layer_they_would_get_wrong(model, chan
     import copy
 
     m = copy.deepcopy(model)
-    assert sharding.plain_output_layer(m)
+    assert ops.plain_output_layer(m)
     m.config.logits_scaling = 1.0
-    assert sharding.plain_output_layer(m)
+    assert ops.plain_output_layer(m)
     if change == "bias":
         head = m.get_output_embeddings()
         head.bias = torch.nn.Parameter(torch.zeros(head.out_features))
     else:
         for k, v in change.items():
             setattr(m.config, k, v)
-    assert not sharding.plain_output_layer(m)
+    assert not ops.plain_output_layer(m)
     with pytest.raises(ValueError, match="--use_fused_kernels"):
         forward_log_probs(m, make_samples(LENGTHS), 1.0, True, True, fused=True)
 
@@ -392,7 +394,7 @@ def test_fused_log_probs_refuse_an_output_layer_they_would_get_wrong(model, chan
 REFERENCE_SHARES_GRAPHS = """
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, os.getcwd())
-import sharding
+import checkpoint, compile_ahead, models, ops, passes, sharding  # noqa: F401
 import train_grpo
 import train_ppo
 from torch._dynamo.utils import counters
@@ -401,12 +403,12 @@ dist.init_process_group("gloo", rank=0, world_size=1)
 path = make_tiny_model(sys.argv[1])
 args = train_grpo.Args(model=path, compile_layers=True)
 device = torch.device("cpu")
-actor = sharding.load_policy(path, device, True, False, args)
-ref = sharding.load_policy(path, device, False, False, args)
+actor = models.load(models.Model("actor", path, "old_log_prob"), device, args)
+ref = models.load(models.Model("ref", path, "ref", trained=False), device, args)
 samples = [([5, 6, 7], [8, 9]), ([1, 2], [3, 4, 5, 6])]
-sharding.batched_log_probs(actor, samples, 8, 1.0, True, 4)
+passes.batched_log_probs(actor, samples, 8, 1.0, True, 4)
 graphs = counters["stats"]["unique_graphs"]
-sharding.batched_log_probs(ref, samples, 8, 1.0, True, 4)
+passes.batched_log_probs(ref, samples, 8, 1.0, True, 4)
 assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs, (
     graphs, counters["stats"]["unique_graphs"])
 assert not ref.training and all(p.grad is None for p in ref.parameters())
@@ -432,7 +434,7 @@ def test_the_reference_reuses_the_actors_compiled_layers(tmp_path):
 TRACED_FLASH_ATTENTION = """
 import os, sys, torch
 sys.path.insert(0, os.getcwd())
-import sharding
+import checkpoint, compile_ahead, models, ops, passes, sharding  # noqa: F401
 from torch._dynamo.utils import counters
 from tests.tiny_model import make_samples, tiny_policy
 
@@ -481,23 +483,23 @@ def backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_ca
 lib = torch.library.Library("aten", "IMPL")
 lib.impl("_flash_attention_forward", forward, "CPU")
 lib.impl("_flash_attention_backward", backward, "CPU")
-sharding.probe_flash_varlen(torch.device("cpu"))
-assert "cpu" not in sharding.FLASH_VARLEN  # the probe asks GPUs only
-sharding.FLASH_VARLEN["cpu"] = True
+ops.probe_flash_varlen(torch.device("cpu"))
+assert "cpu" not in ops.FLASH_VARLEN  # the probe asks GPUs only
+ops.FLASH_VARLEN["cpu"] = True
 
 eager = tiny_policy().to(torch.bfloat16)
-compiled = sharding.compile_layers(tiny_policy().to(torch.bfloat16), with_grad=True)
+compiled = ops.compile_layers(tiny_policy().to(torch.bfloat16), with_grad=True)
 lengths = [[(5, 3), (9, 6), (3, 1)], [(7, 4), (2, 9)], [(11, 5), (4, 4), (6, 2), (3, 3)]]
 batches = [make_samples(each, seed=i) for i, each in enumerate(lengths)]
 for samples in batches:
     for model in (eager, compiled):
         model.zero_grad()
     with torch.no_grad():
-        want = sharding.forward_log_probs(eager, samples, 1.0, True)[0]
-        got = sharding.forward_log_probs(compiled, samples, 1.0, True)[0]
+        want = passes.forward_log_probs(eager, samples, 1.0, True)[0]
+        got = passes.forward_log_probs(compiled, samples, 1.0, True)[0]
     torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.0)
     for model in (eager, compiled):
-        sharding.forward_log_probs(model, samples, 1.0, True)[0].float().sum().backward()
+        passes.forward_log_probs(model, samples, 1.0, True)[0].float().sum().backward()
     for (name, e), c in zip(eager.named_parameters(), compiled.parameters()):
         if e.grad is not None and e.dim() == 2 and "layers" in name:
             rel = ((c.grad.float() - e.grad.float()).norm() / e.grad.float().norm()).item()
@@ -528,7 +530,7 @@ def test_compiled_layers_trace_packed_attention_into_one_graph(tmp_path):
 FUSED_UNDER_FSDP2 = """
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, os.getcwd())
-import sharding
+import checkpoint, compile_ahead, models, ops, passes, sharding  # noqa: F401
 import train_grpo
 import train_ppo
 from tests.tiny_model import make_samples
@@ -540,13 +542,13 @@ for tie in (True, False):
     if rank == 0:
         make_tiny_model(path, tie=tie)
     dist.barrier()
-    actor = sharding.load_policy(path, torch.device("cpu"), True, False,
-                                 train_grpo.Args(model=path))
+    actor = models.load(models.Model("actor", path, "old_log_prob"), torch.device("cpu"),
+                        train_grpo.Args(model=path))
     samples = make_samples([(5, 3), (9, 6)] if rank == 0 else [(3, 1), (7, 4), (2, 5)],
                            seed=rank)
     grads = []
     for fused in (False, True):
-        log_probs, entropy = sharding.forward_log_probs(actor, samples, 0.7, True, True,
+        log_probs, entropy = passes.forward_log_probs(actor, samples, 0.7, True, True,
                                                         fused=fused)
         (log_probs.sum() + 0.1 * entropy.sum()).backward()
         grads.append({n: p.grad.full_tensor() for n, p in actor.named_parameters()})
@@ -590,18 +592,18 @@ def test_fused_log_probs_under_fsdp2_on_two_ranks(tmp_path):
 
 def test_micro_batches_by_count_and_by_token_budget():
     seqs = lambda lengths: [([0] * (n - 1), [0]) for n in lengths]  # noqa: E731  (prompt, response) of n tokens
-    assert sharding.micro_batches(seqs([5] * 5), 2) == [[0, 1], [2, 3], [4]]
+    assert passes.micro_batches(seqs([5] * 5), 2) == [[0, 1], [2, 3], [4]]
     # 30 tokens, budget 15: two groups; longest first into the lighter group:
     # 10 -> A, 8 -> B, 7 -> B (15), 3 -> A (13), 2 -> A (15)
-    assert sharding.micro_batches(seqs([10, 3, 7, 2, 8]), 2, max_tokens=15) == [[0, 1, 3], [2, 4]]
+    assert passes.micro_batches(seqs([10, 3, 7, 2, 8]), 2, max_tokens=15) == [[0, 1, 3], [2, 4]]
     # 18 tokens would fit 2 x 10, but two 6-token sequences do not: the count grows until each group
     # fits
-    assert sharding.micro_batches(seqs([6, 6, 6]), 2, max_tokens=10) == [[0], [1], [2]]
-    assert sharding.micro_batches(seqs([4, 4, 4, 4]), 1, max_tokens=100) == [[0, 1, 2, 3]]
+    assert passes.micro_batches(seqs([6, 6, 6]), 2, max_tokens=10) == [[0], [1], [2]]
+    assert passes.micro_batches(seqs([4, 4, 4, 4]), 1, max_tokens=100) == [[0, 1, 2, 3]]
 
 
 def test_packed_attention_equals_a_block_diagonal_mask():
-    """sharding.packed_attention on 3 segments (grouped-query heads, 4 query / 2 kv) equals sdpa
+    """ops.packed_attention on 3 segments (grouped-query heads, 4 query / 2 kv) equals sdpa
     with the block-diagonal causal mask written out by hand, in value and in gradient."""
     torch.manual_seed(0)
     lens, L, D = [3, 5, 2], 10, 8
@@ -614,7 +616,7 @@ def test_packed_attention_equals_a_block_diagonal_mask():
         q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=allowed
     ).transpose(1, 2)
     cu = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
-    out, _ = sharding.packed_attention(
+    out, _ = ops.packed_attention(
         None, q, k, v, None, scaling=D**-0.5, cu_seq_lens=cu, max_seq_len=max(lens)
     )
     close(out, expected, atol=1e-6)
@@ -628,7 +630,7 @@ def test_packed_attention_equals_a_block_diagonal_mask():
         close(g, e, atol=1e-5)
     # a packed row without segment bounds would attend across sequences: refused
     with pytest.raises(ValueError, match="cu_seq_lens"):
-        sharding.packed_attention(
+        ops.packed_attention(
             SimpleNamespace(is_causal=True),
             q,
             k,
@@ -647,7 +649,7 @@ def test_a_non_finite_gradient_stops_before_the_update():
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     (model(torch.ones(1, 3)) * float("nan")).sum().backward()
     with pytest.raises(FloatingPointError, match="step 7: non-finite gradient norm.*--actor_lr"):
-        sharding.clip_and_step(model, optimizer, torch.tensor(1.0), 1.0, 7, "--actor_lr")
+        passes.clip_and_step(model, optimizer, torch.tensor(1.0), 1.0, 7, "--actor_lr")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no update happened
 
 
@@ -660,7 +662,7 @@ def test_a_non_finite_loss_stops_before_the_update():
     with pytest.raises(
         FloatingPointError, match="step 3: non-finite loss inf.*--critic_lr or check"
     ):
-        sharding.clip_and_step(model, optimizer, loss, 1.0, 3, "--critic_lr")
+        passes.clip_and_step(model, optimizer, loss, 1.0, 3, "--critic_lr")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
@@ -672,9 +674,7 @@ def test_clip_and_step_clips_and_steps():
     # grad (3, 4): norm 5 -> clipped to (0.6, 0.8)
     model(torch.tensor([[3.0, 4.0]])).sum().backward()
     loss = torch.tensor(2.0)
-    assert sharding.clip_and_step(model, optimizer, loss, 1.0, 1, "--actor_lr") == pytest.approx(
-        5.0
-    )
+    assert passes.clip_and_step(model, optimizer, loss, 1.0, 1, "--actor_lr") == pytest.approx(5.0)
     assert torch.allclose(model.weight, torch.tensor([[0.4, 0.2]]))  # 1 - 0.6, 1 - 0.8
     assert model.weight.grad is None  # zeroed for the next mini-batch
 
@@ -694,7 +694,7 @@ def test_packed_values_equal_padded_and_a_loop(critic):
     padded = forward_values(critic, samples, packed=False)
     assert packed.shape == padded.shape == (4, 6)
     close(packed, padded)
-    mask = sharding.response_targets(samples, 6, "cpu")[1]
+    mask = passes.response_targets(samples, 6, "cpu")[1]
     assert torch.equal(packed * (1 - mask), torch.zeros_like(packed))
     # each sequence alone: the value of response token t is the head's output at position |p| - 1
     # + t
@@ -702,7 +702,7 @@ def test_packed_values_equal_padded_and_a_loop(critic):
         expected = critic(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1, 0]
         close(packed[i, : len(r)], expected)
     # batched_values pads every micro-batch to the batch's T
-    close(sharding.batched_values(critic, samples, 3, True, 6), packed)
+    close(passes.batched_values(critic, samples, 3, True, 6), packed)
 
 
 def test_load_critic_turns_the_heads_dropout_off(tmp_path, monkeypatch):
@@ -711,8 +711,10 @@ def test_load_critic_turns_the_heads_dropout_off(tmp_path, monkeypatch):
     from bench.tiny import make_tiny_model
 
     path = make_tiny_model(str(tmp_path / "tiny"))
-    monkeypatch.setattr(sharding, "apply_fsdp2", lambda model, **_: model)  # no process group here
-    critic = sharding.load_critic(path, torch.device("cpu"), train_ppo.Args(model=path))
+    monkeypatch.setattr(models, "apply_fsdp2", lambda model, **_: model)  # no process group here
+    args = train_ppo.Args(model=path, critic_model=path)
+    (spec,) = [m for m in train_ppo.models(args) if m and m.role == "critic"]
+    critic = models.load(spec, torch.device("cpu"), args)
     rates = [m.p for m in critic.modules() if isinstance(m, torch.nn.Dropout)]
     assert rates and all(p == 0 for p in rates)
 
@@ -722,28 +724,28 @@ def test_optimizer_state_made_up_front_trains_as_adamw_does():
     the parameters after three steps with weight decay and a schedule are those of a fresh AdamW,
     bit for bit."""
     torch.manual_seed(0)
-    models = [torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)]
-    models[1].load_state_dict(models[0].state_dict())
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in models]
+    linears = [torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)]
+    linears[1].load_state_dict(linears[0].state_dict())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in linears]
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5 + 0.1 * s) for o in optimizers]
     sharding.init_optimizer_state(optimizers[1])
-    state = optimizers[1].state[models[1].weight]
+    state = optimizers[1].state[linears[1].weight]
     assert (
         float(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
     )
-    assert torch.equal(models[0].weight, models[1].weight)  # the step at lr 0 moved nothing
+    assert torch.equal(linears[0].weight, linears[1].weight)  # the step at lr 0 moved nothing
     assert optimizers[1].param_groups[0]["lr"] == pytest.approx(0.05)  # the schedule's, restored
     assert not optimizers[0].state  # AdamW itself makes it at the first step
     for x in torch.randn(3, 2, 4):
-        for model, optimizer, scheduler in zip(models, optimizers, schedulers):
+        for model, optimizer, scheduler in zip(linears, optimizers, schedulers):
             (model(x) ** 2).sum().backward()
             optimizer.step()
             optimizer.zero_grad()
             scheduler.step()
-    for a, b in zip(models[0].parameters(), models[1].parameters()):
+    for a, b in zip(linears[0].parameters(), linears[1].parameters()):
         assert torch.equal(a, b)
     sharding.init_optimizer_state(optimizers[1])  # a state that exists (a checkpoint's) is kept
-    assert float(optimizers[1].state[models[1].weight]["step"]) == 3
+    assert float(optimizers[1].state[linears[1].weight]["step"]) == 3
 
 
 def test_one_layer_copies_keep_every_shape_but_the_depth(tmp_path, monkeypatch):
@@ -753,12 +755,13 @@ def test_one_layer_copies_keep_every_shape_but_the_depth(tmp_path, monkeypatch):
     from bench.tiny import make_tiny_model
 
     path = make_tiny_model(str(tmp_path / "tiny"))
-    monkeypatch.setattr(sharding, "apply_fsdp2", lambda model, **_: model)  # no process group here
-    args = train_ppo.Args(model=path)
+    monkeypatch.setattr(models, "apply_fsdp2", lambda model, **_: model)  # no process group here
+    args = train_ppo.Args(model=path, critic_model=path)
     cpu = torch.device("cpu")
+    specs = {m.role: m for m in train_ppo.models(args) if m}
     loads = {
-        "policy": lambda **kw: sharding.load_policy(path, cpu, True, False, args, **kw),
-        "critic": lambda **kw: sharding.load_critic(path, cpu, args, **kw),
+        "policy": lambda **kw: models.load(specs["actor"], cpu, args, **kw),
+        "critic": lambda **kw: models.load(specs["critic"], cpu, args, **kw),
     }
     for name, load in loads.items():
         real, few = load(), load(layers=1)

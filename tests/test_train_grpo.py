@@ -23,8 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import checkpoint
 import run
-import sharding
 from bench.tiny import make_tiny_model
 from tests.tiny_model import free_port
 
@@ -507,7 +507,7 @@ def stop_by_sigterm_then_resume(script, out, make_flags):
     assert len(stopped) == 1, output[-6000:]
     k = int(stopped[0].split("after step ")[1].split()[0])
     assert 1 <= k < 20 and "--resume_mode auto" in stopped[0]
-    assert os.path.basename(sharding.latest_checkpoint(str(out))) == f"global_step_{k}"
+    assert os.path.basename(checkpoint.latest_checkpoint(str(out))) == f"global_step_{k}"
     logged = metrics_by_step(out)
     assert (
         max(logged) == k
@@ -571,7 +571,7 @@ def stop_in_validation(run, out, make_flags):
     proc = run(make_flags(reward_fn))
     assert proc.returncode == 0, proc.output[-6000:]
     assert "stopped by SIGTERM after step 2 of 20" in proc.output, proc.output[-6000:]
-    assert os.path.basename(sharding.latest_checkpoint(str(out))) == "global_step_2"
+    assert os.path.basename(checkpoint.latest_checkpoint(str(out))) == "global_step_2"
     logged = metrics_by_step(out)
     assert (
         max(logged) == 2

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+import engine_pool
 import rollout
 import train_grpo
 from data import dataset
@@ -209,7 +210,7 @@ def test_engines_in_other_processes_take_no_turn():
     so it is not held up by the trainer's compiles (entered here while another thread holds
     FX_TURN)."""
     assert (
-        not rollout.EnginePool.in_process
+        not engine_pool.EnginePool.in_process
         and rollout.VLLMEngine.in_process
         and rollout.HFEngine.in_process
     )
@@ -224,7 +225,7 @@ def test_engines_in_other_processes_take_no_turn():
     holder.start()
     held.wait()
     try:
-        with rollout.turn_to_generate(rollout.EnginePool.__new__(rollout.EnginePool)):
+        with rollout.turn_to_generate(engine_pool.EnginePool.__new__(engine_pool.EnginePool)):
             pass
         # still the other thread's: the locks were not taken
         assert not rollout.FX_TURN.acquire(blocking=False)

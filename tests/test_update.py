@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-import sharding
+import passes
 import train_grpo
 import train_ppo
 from tests.dist.update_checks import MODES
@@ -66,9 +66,9 @@ def actor_inputs(model):
     dual-clip bound under a negative advantage; reference log-probs apart from the policy's;
     advantages of both signs; importance weights around 1."""
     samples = make_samples(LENGTHS, seed=21)
-    _, mask = sharding.response_targets(samples, T, "cpu")
+    _, mask = passes.response_targets(samples, T, "cpu")
     with torch.no_grad():
-        log_probs, _ = sharding.forward_log_probs(model, samples, 1.0, True)
+        log_probs, _ = passes.forward_log_probs(model, samples, 1.0, True)
     g = torch.Generator().manual_seed(22)
     old = log_probs + 0.8 * (torch.rand(4, T, generator=g) - 0.5)
     old[1, 0] = log_probs[1, 0] - 1.5  # ratio e^1.5 = 4.5 > 3
@@ -135,7 +135,7 @@ def test_update_actor_gradient_equals_the_loss_written_out(name, monkeypatch):
 def kl_to(model, samples, ref, mask):
     """The mean k3 estimate of KL(pi || pi_ref) over the response tokens."""
     with torch.no_grad():
-        log_probs, _ = sharding.forward_log_probs(model, samples, 1.0, True)
+        log_probs, _ = passes.forward_log_probs(model, samples, 1.0, True)
     d = (ref - log_probs) * mask
     return ((torch.exp(d) - d - 1) * mask).sum() / mask.sum()
 
@@ -149,7 +149,7 @@ def test_a_step_on_the_kl_term_alone_moves_the_policy_toward_the_reference(name,
     model = tiny_policy()
     samples, _, ref, _, _, mask = actor_inputs(model)
     with torch.no_grad():
-        old, _ = sharding.forward_log_probs(model, samples, 1.0, True)
+        old, _ = passes.forward_log_probs(model, samples, 1.0, True)
     before = kl_to(model, samples, ref, mask)
     args = actor_args(script, kl_loss_coef=1.0, entropy_coeff=0.0)
     sgd = torch.optim.SGD(model.parameters(), lr=3e-3)
@@ -168,10 +168,10 @@ def test_update_critic_gradient_equals_the_value_loss_written_out(monkeypatch):
     critic = tiny_critic()
     plain = plain_copy(critic, AutoModelForTokenClassification)
     samples = make_samples(LENGTHS, seed=23)
-    _, mask = sharding.response_targets(samples, T, "cpu")
+    _, mask = passes.response_targets(samples, T, "cpu")
     g = torch.Generator().manual_seed(24)
     with torch.no_grad():
-        values = sharding.forward_values(critic, samples, True)
+        values = passes.forward_values(critic, samples, True)
     old = (values + 0.4 * torch.randn(4, T, generator=g)) * mask
     returns = torch.randn(4, T, generator=g) * mask
     losses = []

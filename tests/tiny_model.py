@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-import sharding
+import ops
 from bench.tiny import tiny_config
 
 
@@ -98,7 +98,7 @@ def tiny_policy():
     the default init, so log-probs are far from uniform."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
-        tiny_config(), dtype=torch.float32, attn_implementation=sharding.PACKED_ATTENTION
+        tiny_config(), dtype=torch.float32, attn_implementation=ops.PACKED_ATTENTION
     )
     return _spread(model)
 
@@ -109,7 +109,7 @@ def tiny_critic():
     config = tiny_config()
     config.num_labels, config.classifier_dropout = 1, 0.0
     model = AutoModelForTokenClassification.from_config(
-        config, dtype=torch.float32, attn_implementation=sharding.PACKED_ATTENTION
+        config, dtype=torch.float32, attn_implementation=ops.PACKED_ATTENTION
     )
     return _spread(model)
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from transformers import AutoModelForCausalLM
 
+import checkpoint
 import rollout
 import sharding
 from bench.tiny import make_tiny_model, make_tiny_tokenizer
@@ -234,7 +235,7 @@ def main(work: str) -> list[dict]:
     # --- 5. (first half) save at world size 2; reference.pt holds what a world-size-1 load must see
     ckpt_root = os.path.join(work, "ckpt")
     trainer_state = {"epoch": 0, "data_index": 7}
-    sharding.save_checkpoint(
+    checkpoint.save_checkpoint(
         ckpt_root, 2, {"actor": model}, {"actor": opt}, {"actor": sched}, trainer_state
     )
     # copies: the gathered state shares its scalar `step` tensors with the live optimizer
@@ -327,7 +328,7 @@ def main(work: str) -> list[dict]:
     )[0]
 
     # --- 6. a save that dies midway leaves the previous checkpoint as the latest, and it loads
-    real_save = sharding.dcp.save
+    real_save = checkpoint.dcp.save
 
     def dying_save(state, checkpoint_id):  # as torch's writer on a full disk
         os.makedirs(checkpoint_id, exist_ok=True)
@@ -335,11 +336,11 @@ def main(work: str) -> list[dict]:
             f.write("half written")
         raise RuntimeError("unexpected pos 704 vs 598")
 
-    real_usage = sharding.shutil.disk_usage
-    sharding.dcp.save = dying_save
-    sharding.shutil.disk_usage = lambda path: real_usage(path)._replace(free=5 * 2**20)
+    real_usage = checkpoint.shutil.disk_usage
+    checkpoint.dcp.save = dying_save
+    checkpoint.shutil.disk_usage = lambda path: real_usage(path)._replace(free=5 * 2**20)
     try:
-        sharding.save_checkpoint(
+        checkpoint.save_checkpoint(
             ckpt_root, 3, {"actor": model}, {"actor": opt}, {"actor": sched}, trainer_state
         )
         r["crash_raised"] = False
@@ -347,17 +348,17 @@ def main(work: str) -> list[dict]:
         r["crash_raised"] = True
         r["crash_message"] = str(e)
     finally:
-        sharding.dcp.save = real_save
-        sharding.shutil.disk_usage = real_usage
+        checkpoint.dcp.save = real_save
+        checkpoint.shutil.disk_usage = real_usage
     dist.barrier()
-    latest = sharding.latest_checkpoint(ckpt_root)
+    latest = checkpoint.latest_checkpoint(ckpt_root)
     r["latest_after_crash"] = os.path.relpath(latest, work) if latest else None
-    r["list_after_crash"] = sharding.list_checkpoints(ckpt_root)
+    r["list_after_crash"] = checkpoint.list_checkpoints(ckpt_root)
     r["tmp_left"] = os.path.isdir(os.path.join(ckpt_root, ".tmp_global_step_3"))
     fresh = load()
     sharding.apply_fsdp2(fresh, param_dtype=torch.float32, reduce_dtype=torch.float32)
     fresh_opt, fresh_sched = make_optim(fresh)
-    state = sharding.load_checkpoint(
+    state = checkpoint.load_checkpoint(
         latest, {"actor": fresh}, {"actor": fresh_opt}, {"actor": fresh_sched}
     )
     r["loaded_state_ws2"] = state
@@ -365,19 +366,19 @@ def main(work: str) -> list[dict]:
     r["loaded_lr_ws2"] = [fresh_sched.get_last_lr(), sched.get_last_lr()]
     del fresh, fresh_opt
     # the same step again after the crash, then keep_last pruning in another root
-    sharding.save_checkpoint(ckpt_root, 3, {"actor": model}, trainer_state=trainer_state)
-    r["list_after_retry"] = sharding.list_checkpoints(ckpt_root)
+    checkpoint.save_checkpoint(ckpt_root, 3, {"actor": model}, trainer_state=trainer_state)
+    r["list_after_retry"] = checkpoint.list_checkpoints(ckpt_root)
     r["tmp_left_after_retry"] = os.path.isdir(os.path.join(ckpt_root, ".tmp_global_step_3"))
     prune_root = os.path.join(work, "prune")
     for step in (1, 2, 3, 4):
-        sharding.save_checkpoint(prune_root, step, {"actor": model}, keep_last=2)
+        checkpoint.save_checkpoint(prune_root, step, {"actor": model}, keep_last=2)
     r["pruned"] = sorted(os.listdir(prune_root))
-    with open(os.path.join(prune_root, sharding.TRACKER)) as f:
+    with open(os.path.join(prune_root, checkpoint.TRACKER)) as f:
         r["tracker"] = f.read()
 
     # --- 7. export (fp32 for exact comparisons, bf16 as the default); load_checks.py opens them
-    sharding.export_hf(os.path.join(work, "export"), model, tok, dtype=torch.float32)
-    sharding.export_hf(os.path.join(work, "export_bf16"), model, tok)
+    checkpoint.export_hf(os.path.join(work, "export"), model, tok, dtype=torch.float32)
+    checkpoint.export_hf(os.path.join(work, "export_bf16"), model, tok)
 
     # --- 5. (second half) one more step from the saved state, for the world-size-1 resume to match
     sharded_step(model, opt, sched, 3, rank, world)

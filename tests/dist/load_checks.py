@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from transformers import AutoModelForCausalLM
 
+import checkpoint
 import rollout
 import sharding
 from tests.dist.engine_checks import (
@@ -58,11 +59,11 @@ def main(work: str) -> dict:
     model = AutoModelForCausalLM.from_pretrained(os.path.join(work, "tiny"), dtype=torch.float32)
     sharding.apply_fsdp2(model, param_dtype=torch.float32, reduce_dtype=torch.float32)
     opt, sched = make_optim(model)
-    latest = sharding.latest_checkpoint(os.path.join(work, "ckpt"))
+    latest = checkpoint.latest_checkpoint(os.path.join(work, "ckpt"))
     r["latest"] = os.path.relpath(latest, work)
     with open(os.path.join(latest, "trainer_state.json")) as f:
         r["saved_world_size"] = json.load(f)["world_size"]
-    state = sharding.load_checkpoint(
+    state = checkpoint.load_checkpoint(
         os.path.join(work, "ckpt", "global_step_2"),
         {"actor": model},
         {"actor": opt},

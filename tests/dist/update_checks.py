@@ -21,6 +21,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+import passes
 import sharding
 import train_grpo
 import train_ppo
@@ -55,11 +56,11 @@ def batch():
     log-probs (the policy's own, moved so that ratios clip both ways), advantages, old values and
     returns."""
     samples = make_samples(LENGTHS, seed=11)
-    _, mask = sharding.response_targets(samples, T, "cpu")
+    _, mask = passes.response_targets(samples, T, "cpu")
     g = torch.Generator().manual_seed(12)
     with torch.no_grad():
-        log_probs, _ = sharding.forward_log_probs(tiny_policy(), samples, 1.0, True)
-        values = sharding.forward_values(tiny_critic(), samples, True)
+        log_probs, _ = passes.forward_log_probs(tiny_policy(), samples, 1.0, True)
+        values = passes.forward_values(tiny_critic(), samples, True)
     old = (log_probs + 0.6 * (torch.rand(N, T, generator=g) - 0.5)) * mask
     ref = (log_probs + 0.3 * torch.randn(N, T, generator=g)) * mask
     advantages = train_grpo.compute_grpo_outcome_advantage(

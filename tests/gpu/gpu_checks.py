@@ -18,6 +18,9 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+import checkpoint  # noqa: E402
+import ops  # noqa: E402
+import passes  # noqa: E402
 import sharding  # noqa: E402
 from rollout import ON_CPU, VLLMEngine, logprob_gap  # noqa: E402
 
@@ -30,7 +33,7 @@ def used_gib():
 
 
 def varlen_attention_check(device):
-    """The flash varlen kernel behind sharding.packed_attention (bf16, 14 query / 2 kv heads, as
+    """The flash varlen kernel behind ops.packed_attention (bf16, 14 query / 2 kv heads, as
     Qwen2.5-0.5B) against sdpa run on each segment alone in fp32: outputs and gradients."""
     torch.manual_seed(0)
     lens = [700, 33, 1024, 1, 250]
@@ -39,7 +42,7 @@ def varlen_attention_check(device):
     q = torch.randn(1, 14, L, 64, device=device, requires_grad=True)
     k, v = (torch.randn(1, 2, L, 64, device=device, requires_grad=True) for _ in range(2))
     w = torch.randn(1, L, 14, 64, device=device)
-    out, _ = sharding.packed_attention(
+    out, _ = ops.packed_attention(
         None,
         *(t.bfloat16() for t in (q, k, v)),
         None,
@@ -64,7 +67,7 @@ def varlen_attention_check(device):
     )
     ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
     return {
-        "varlen_flash_kernel_ran": sharding.FLASH_VARLEN.get("cuda") is True,
+        "varlen_flash_kernel_ran": ops.FLASH_VARLEN.get("cuda") is True,
         "varlen_attention_max_diff": (out.float() - ref).abs().max().item(),
         "varlen_attention_grad_rel_diff": max(
             ((g - e).norm() / e.norm()).item() for g, e in zip(grads, ref_grads)
@@ -73,7 +76,7 @@ def varlen_attention_check(device):
 
 
 def compiled_log_probs_check(device, tokens=16384, vocab=151936):
-    """sharding.CompiledLogProbs (--use_torch_compile's log-probs and entropy, their gradient
+    """ops.CompiledLogProbs (--use_torch_compile's log-probs and entropy, their gradient
     written by hand) on bf16 logits of Qwen2.5's vocabulary, past inductor's 32-bit indexing (tokens
     x vocab > 2^31), against autograd through the eager math: the log-probs, the entropy, and the
     logits' gradient of an unevenly weighted sum of both."""
@@ -82,7 +85,7 @@ def compiled_log_probs_check(device, tokens=16384, vocab=151936):
     targets = torch.randint(0, vocab, (tokens,), generator=g, device=device)
     coef, coef_entropy = (torch.randn(tokens, generator=g, device=device) for _ in range(2))
     runs = []
-    for fn in (sharding.token_log_probs, sharding.compiled_log_probs):
+    for fn in (ops.token_log_probs, ops.compiled_log_probs):
         x = logits.clone().requires_grad_()
         log_probs, entropy = fn(x, targets, 0.7, with_entropy=True)
         ((log_probs * coef).sum() + (entropy * coef_entropy).sum()).backward()
@@ -100,23 +103,21 @@ def compiled_log_probs_check(device, tokens=16384, vocab=151936):
 
 def fused_check(model, samples):
     """--use_fused_kernels in bf16 under FSDP2: log-probs, entropy and the gradients of each, from
-    the output layer chunk by chunk (sharding.ChunkedLogProbs), against the logits path. Differences
+    the output layer chunk by chunk (ops.ChunkedLogProbs), against the logits path. Differences
     are means over response tokens: a matmul over other rows may round a bf16 logit the other
     way."""
     runs = {}
     for fused in (False, True):
         for term in (0, 1):  # the gradient of the log-probs' sum, then of the entropies'
             model.zero_grad(set_to_none=True)
-            out = sharding.forward_log_probs(
+            out = passes.forward_log_probs(
                 model, samples, 1.0, True, with_entropy=True, fused=fused
             )
             out[term].sum().backward()
             grad = torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
             runs[fused, term] = out[term].detach(), grad
     model.zero_grad(set_to_none=True)
-    mask = sharding.response_targets(samples, runs[False, 0][0].shape[1], runs[False, 0][0].device)[
-        1
-    ]
+    mask = passes.response_targets(samples, runs[False, 0][0].shape[1], runs[False, 0][0].device)[1]
     mean_diff = lambda a, b: ((a - b).abs() * mask).sum().item() / mask.sum().item()  # noqa: E731
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     return {
@@ -144,7 +145,7 @@ def main(model_path, out_path):
     if GPU:
         torch.cuda.empty_cache()
     actor = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=torch.float32, attn_implementation=sharding.PACKED_ATTENTION
+        model_path, dtype=torch.float32, attn_implementation=ops.PACKED_ATTENTION
     ).to(device)
     sharding.apply_fsdp2(actor)
     engine = VLLMEngine(
@@ -182,23 +183,23 @@ def main(model_path, out_path):
     sampled = engine.generate(prompts, n=4, temperature=1.0, max_tokens=32, seed=0)
     samples = [(p, s.token_ids) for p, o in zip(prompts, sampled) for s in o]
     T = max(len(r) for _, r in samples)
-    lp, _ = sharding.batched_log_probs(actor, samples, 8, 1.0, True, T)
+    lp, _ = passes.batched_log_probs(actor, samples, 8, 1.0, True, T)
     rlp = torch.tensor(
         [s.logprobs + [0.0] * (T - len(s.logprobs)) for o in sampled for s in o], device=device
     )
-    res["logprob_gap_bf16"] = logprob_gap(lp, rlp, sharding.response_targets(samples, T, device)[1])
+    res["logprob_gap_bf16"] = logprob_gap(lp, rlp, passes.response_targets(samples, T, device)[1])
     res |= fused_check(actor, samples)
     if GPU:
         # the same model with its shards offloaded to the CPU (--param_offload, --ref_param_offload)
         # computes on the GPU and gives the same log-probs
         offloaded = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, attn_implementation=sharding.PACKED_ATTENTION
+            model_path, dtype=torch.float32, attn_implementation=ops.PACKED_ATTENTION
         )
         offloaded.load_state_dict(
             {n: t.cpu() for n, t in sharding.iter_full_tensors(actor)}, strict=False
         )
         sharding.apply_fsdp2(offloaded, cpu_offload=True)
-        off_lp, _ = sharding.batched_log_probs(offloaded, samples, 8, 1.0, True, T)
+        off_lp, _ = passes.batched_log_probs(offloaded, samples, 8, 1.0, True, T)
         res["offloaded_log_prob_max_diff"] = (off_lp - lp).abs().max().item()
         del offloaded
     sharding.reshard(actor)  # the no-grad forward above left the root's bf16 copies in place
@@ -228,14 +229,16 @@ def main(model_path, out_path):
     # checkpoint round trip on GPU, and an export that plain vLLM loads and generates identically
     with tempfile.TemporaryDirectory() as tmp:
         opt = torch.optim.AdamW(actor.parameters(), lr=1e-5)
-        sharding.save_checkpoint(tmp, 1, {"actor": actor}, {"actor": opt})
+        checkpoint.save_checkpoint(tmp, 1, {"actor": actor}, {"actor": opt})
         ids = torch.tensor([prompts[0]], device=device)
         ref_logits = actor(ids).logits.float()
         sharding.reshard(actor)
         with torch.no_grad():
             for p in actor.parameters():
                 p.zero_()
-        sharding.load_checkpoint(sharding.latest_checkpoint(tmp), {"actor": actor}, {"actor": opt})
+        checkpoint.load_checkpoint(
+            checkpoint.latest_checkpoint(tmp), {"actor": actor}, {"actor": opt}
+        )
         res["checkpoint_roundtrip_max_diff"] = (
             (actor(ids).logits.float() - ref_logits).abs().max().item()
         )
@@ -244,7 +247,7 @@ def main(model_path, out_path):
         # plain vLLM loads the export after this process ends (test_gpu.py): a plain vLLM process
         # started beside this one's live engine did not return within 5 minutes, twice
         export_dir = os.path.join(os.path.dirname(out_path), "export")
-        sharding.export_hf(export_dir, actor, AutoTokenizer.from_pretrained(model_path))
+        checkpoint.export_hf(export_dir, actor, AutoTokenizer.from_pretrained(model_path))
         res |= {"export_dir": export_dir, "greedy_tokens": before, "prompts": prompts}
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)

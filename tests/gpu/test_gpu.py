@@ -139,7 +139,7 @@ def pool_cycles(model_dir, device, model_dtype, cycles=3, **engine_kwargs):
     gaps to both, and the GPU memory in use after each sleep (the driver's count; NaN on CPU)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import rollout
+    import engine_pool
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [
@@ -162,7 +162,9 @@ def pool_cycles(model_dir, device, model_dtype, cycles=3, **engine_kwargs):
             gaps.append((mine - torch.tensor(s.logprobs, device=device)).abs().mean().item())
         return sum(gaps) / len(gaps)
 
-    pool = rollout.EnginePool(model_dir, engines=2, load_format="dummy", seed=0, **engine_kwargs)
+    pool = engine_pool.EnginePool(
+        model_dir, engines=2, load_format="dummy", seed=0, **engine_kwargs
+    )
     res = {"gap": [], "gap_to_previous": [], "used_asleep_gib": []}
     try:
         torch.manual_seed(0)

@@ -1,0 +1,144 @@
+"""How a run ends early: a SIGTERM checkpoints the step in progress (within a deadline), and a rank
+that fails ends every rank within seconds, its error first in torchrun's summary.
+"""
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import reward
+import sharding
+
+
+class StopRequest:
+    """SIGTERM, the notice a batch scheduler or `timeout` gives before it kills a job, noted instead
+    of obeyed: the train loop asks `agreed` after each step's update, again after its validation and
+    after its checkpoint, and when any rank was signalled all of them checkpoint that step and stop,
+    so `--resume_mode auto` continues where the run stopped rather than from the last `--save_freq`
+    checkpoint. A run still short of that stop `grace` seconds after the first SIGTERM (a phase
+    stuck: a reward call that never returns, a rank waiting for one that hangs) ends at once,
+    saying where it was (`where()`), before torchrun's kill 30 s after its own SIGTERM
+    (`--shutdown-timeout` from torch 2.12) would end it without a word. Every later SIGTERM is
+    noted the same way (`timeout` signals the workers and torchrun, which signals them again);
+    Ctrl-C (SIGINT) still stops at once."""
+
+    def __init__(self, grace=None, where=None):
+        self.signalled, self.grace, self.where = False, grace, where
+        self.finished = threading.Event()  # the run has stopped: the deadline stands down
+        # where Python runs signal handlers
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, signum, frame):
+        if not self.signalled and self.grace is not None:
+            threading.Thread(target=self._deadline, daemon=True, name="sigterm_deadline").start()
+        self.signalled = True
+
+    def _deadline(self):
+        if self.finished.wait(self.grace):
+            return
+        where = self.where() if self.where else "a phase"
+        why = (
+            f"a SIGTERM came {self.grace:g} s ago (--stop_grace_s) and the run is still in {where}"
+        )
+        print(
+            f"[rank {sharding.rank()}] {why}: ending now, without checkpointing this step; the "
+            "same command with --resume_mode auto continues from the last checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        tell_peers(f"rank {sharding.rank()} ended: {why}")  # ranks waiting for this one end too
+        reward.close_all()
+        os._exit(128 + signal.SIGTERM)
+
+    def agreed(self, device) -> bool:
+        """Whether any rank has been signalled (a collective: every rank calls it at the same
+        point)."""
+        flag = torch.tensor([float(self.signalled)], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+FAILED = "run/failed"  # the key in the process group's store that the first failed rank writes
+
+
+# how long a rank that ends for another's failure waits before it exits: torchrun names the failure
+# it saw first, by the whole second, so the failed rank's comes first in its summary
+AFTER_PEER_FAILURE_S = 2.0
+
+
+finished = threading.Event()  # this process's run ended: its peers' watch stands down
+
+
+def watch_peers(interval=1.0):
+    """End this process within `interval` + AFTER_PEER_FAILURE_S seconds of another rank's failure
+    (`fail`). Without it the others wait for the failed rank in a collective that never completes:
+    NCCL until its 10-minute timeout, gloo wherever its peers' sockets stay open."""
+    store = dist.distributed_c10d._get_default_store()
+
+    def watch():
+        while not finished.wait(interval):
+            try:
+                failed = store.check([FAILED])
+            except Exception:  # the store's host has ended (the launcher or rank 0): so do we
+                failed = not finished.is_set()
+            if failed and not finished.is_set():
+                try:
+                    why = store.get(FAILED).decode()
+                except Exception:
+                    why = "the process group's store is gone: another process has ended"
+                print(f"[rank {dist.get_rank()}] stopping: {why}", file=sys.stderr, flush=True)
+                reward.close_all()
+                time.sleep(AFTER_PEER_FAILURE_S)
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="watch_peers").start()
+
+
+def tell_peers(message):
+    """Write why this rank ends into the store, for the others' `watch_peers`; returns the message
+    the store holds, another rank's when that one ended first (or None without a store)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        return store.compare_set(FAILED, "", message[:4000]).decode()
+    except Exception:
+        return None
+
+
+def fail(error):
+    """This rank failed: show its error, tell the other ranks through the store (`watch_peers`),
+    record it for torchrun's summary, end the process at once. Never a barrier: the other ranks may
+    be waiting in another collective for this one. A rank that fails because another one did first
+    (gloo's "Connection closed by peer") says so in a line and leaves torchrun's summary to that
+    rank's error."""
+    rank = dist.get_rank()
+    why = str(error.code) if isinstance(error, SystemExit) else f"{type(error).__name__}: {error}"
+    mine = f"rank {rank} failed: {why}"
+    first = tell_peers(mine)
+    if first is not None and first != mine[:4000]:
+        print(f"[rank {rank}] stopping: {first}", file=sys.stderr, flush=True)
+        time.sleep(AFTER_PEER_FAILURE_S)
+    else:
+        if isinstance(error, SystemExit):  # a refused flag or file (`need`): the message says it
+            print(why, file=sys.stderr)
+        else:
+            text = "".join(traceback.format_exception(error))
+            print(f"[rank {rank}] {text}", file=sys.stderr, end="")
+        with contextlib.suppress(Exception):
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+            ErrorHandler().record_exception(error)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    reward.close_all()
+    os._exit(1)

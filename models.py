@@ -1,0 +1,108 @@
+"""The run's models: what a train script declares it holds (`Model`), and loading one as the trainer
+holds it: a Hugging Face causal LM (a policy) or a value model on the same body, fp32 masters, its
+decoder layers compiled where the speed flags say, sharded with FSDP2.
+
+A script lists its models in a function `models(args)` (train_grpo.py: the actor and, for a KL
+term, the reference; train_ppo.py adds the critic) and hands it to `run.start`. The support code
+learns which models a run has from that list and from nothing else: the memory plan counts each
+one, compiling ahead runs each one's passes, the trained ones are checkpointed. A fork that adds a
+model adds an entry.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+import ops
+from sharding import apply_fsdp2
+
+
+@dataclass(frozen=True)
+class Model:
+    """One model of a run, as its train script declares it.
+
+    `phase` names its pass without gradients in the step's timings and the memory plan
+    (timing_s/old_log_prob, ref, values); a trained model's update is `update_<role>`. `passes` and
+    `update` name the flags of their micro-batches: sequences per micro-batch, and the token budget
+    that replaces it with --use_dynamic_bsz. A trained policy's pass without gradients also gives
+    the entropy (verl's actor/entropy), and `entropy` says its update's loss has an entropy term, so
+    that compiling ahead compiles the graphs the step runs."""
+
+    role: str  # "actor", "ref", "critic": its name in checkpoints, the plan and the logs
+    path: str  # a hub id or a local folder
+    phase: str
+    value: bool = False  # a value model (a score per token on the policy's body), not a causal LM
+    trained: bool = True  # gradients and an optimizer, checkpointed
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    gradient_checkpointing: bool = False
+    entropy: bool = False
+    passes: tuple = ("log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu")
+    update: tuple = ("ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu")
+
+    @property
+    def update_phase(self):
+        return f"update_{self.role}"
+
+    def budget_flags(self):
+        """The token-budget flags of its passes: the update's where it is trained, and the pass
+        without gradients'."""
+        return ([self.update[1]] if self.trained else []) + [self.passes[1]]
+
+    def micro_batch_flags(self):
+        return ([self.update[0]] if self.trained else []) + [self.passes[0]]
+
+
+def attention(args):
+    """Variable-length attention for packed sequences, transformers' sdpa for padded ones."""
+    return ops.PACKED_ATTENTION if args.use_remove_padding else "sdpa"
+
+
+def few_layers(config, layers):
+    """`config` cut to its first `layers` decoder layers (the compiling helper's copies)."""
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    return config
+
+
+def load(spec, device, args, trainable=None, layers=None):
+    """`spec`'s model with fp32 masters, sharded with FSDP2 (bf16 compute on a GPU); `trainable`
+    (default: `spec.trained`) false loads it frozen. A policy is a causal LM; a value model is
+    AutoModelForTokenClassification with one label on the same body, as verl builds its critic (the
+    body under `.model`, a new linear `.score` head), its dropout off (transformers' default for the
+    head is 0.1; verl sets 0 too), so values are deterministic. `layers`: instead, a randomly
+    initialised copy with that many decoder layers."""
+    trainable = spec.trained if trainable is None else trainable
+    kw = dict(dtype=torch.float32, attn_implementation=attention(args))
+    if spec.value:
+        config = AutoConfig.from_pretrained(spec.path, num_labels=1)
+        # an attribute: from_pretrained drops a keyword its config class lacks
+        config.classifier_dropout = 0.0
+        cls = AutoModelForTokenClassification
+    else:
+        config, cls = AutoConfig.from_pretrained(spec.path), AutoModelForCausalLM
+    if layers is None:
+        model = cls.from_pretrained(spec.path, config=config, **kw)
+    else:
+        model = cls.from_config(few_layers(config, layers), **kw)
+    if device.type == "cuda" and not spec.param_offload:
+        model.to(device)
+    if args.use_remove_padding:
+        ops.probe_flash_varlen(device)
+    if ops.gpu_default(args.compile_layers, device):
+        ops.compile_layers(model, with_grad=trainable and args.compile_update)
+    apply_fsdp2(
+        model,
+        param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        gradient_checkpointing=trainable and spec.gradient_checkpointing,
+        cpu_offload=spec.param_offload,
+    )
+    if not trainable:
+        # Frozen: it only runs under torch.no_grad (`passes.batched`) and no optimizer holds it. Its
+        # parameters keep requires_grad=True, as the actor's: compiled layers guard on that flag,
+        # and flipping it would compile every layer again for this model (14 s of the first step on
+        # an H200).
+        model.eval()
+    return model
