@@ -21,7 +21,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig
 
 import flags
 import memory
@@ -187,6 +186,11 @@ def helper(args, device, specs, launched, engine_started):
     set_as_the_engine_will(args)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if args.gpu_memory_gib:  # as on a GPU of that size: the plan's room for the helper
+            config = memory.config_of(specs[0].path)
+            total = torch.cuda.get_device_properties(device).total_memory
+            share = helper_bytes(args, config, specs) / total
+            torch.cuda.set_per_process_memory_fraction(min(share, 1.0), device)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         store=dist.HashStore(),
@@ -197,7 +201,7 @@ def helper(args, device, specs, launched, engine_started):
     if ops.gpu_default(args.use_torch_compile, device):
         ops.compile_logits_math()
     copies = {spec.role: models.load(spec, device, args, layers=1) for spec in specs}
-    tokens = small_batch_tokens(args, AutoConfig.from_pretrained(specs[0].path), specs)
+    tokens = small_batch_tokens(args, memory.config_of(specs[0].path), specs)
     started = time.time() - launched
     compile_ahead(copies, specs, args, device, tokens=tokens)
     dist.destroy_process_group()
@@ -270,18 +274,11 @@ class WarmStart:
             # no longer fits (an H200 ran out of memory so at 36,864-token micro-batches)
             args.use_fused_kernels = True
         Timer.release_cache = run.device.type == "cuda"
-        if run.plan is not None and args.use_dynamic_bsz:
-            given = {name: getattr(args, name) for name in names if name in run.given}
-            # the helper may still be compiling on the first GPU: its models, batch and context
-            config = AutoConfig.from_pretrained(run.specs[0].path)
-            gpu = run.plan.gpu - helper_bytes(args, config, run.specs)
-            eager = memory.memory_plan(
-                args, run.specs, run.world, gpu, run.prompt_len, given, compiled=False
-            )
-            if eager.fits:
-                for name in names:
-                    setattr(args, name, min(getattr(args, name), eager.budgets[name]))
-                run.plan = eager
+        if run.plan is not None and run.plan.first is not None:
+            # planned before the models loaded (memory.plan_memory): eager passes beside the helper
+            for name in names:
+                setattr(args, name, min(getattr(args, name), run.plan.first.budgets[name]))
+            run.plan = run.plan.first
         if run.rank == 0:
             chosen = " ".join(f"--{name} {getattr(args, name)}" for name in names)
             fused = " --use_fused_kernels true" if args.use_fused_kernels else ""
@@ -311,7 +308,7 @@ class WarmStart:
         run.plan, args.use_fused_kernels = self.compiled_plan, self.compiled_fused
         Timer.release_cache = False
         started = seconds_since_launch()
-        config = AutoConfig.from_pretrained(run.specs[0].path)
+        config = memory.config_of(run.specs[0].path)
         tokens = small_batch_tokens(args, config, run.specs)
         compile_ahead(run.loaded, run.specs, args, run.device, tokens=tokens)
         if run.rank == 0:

@@ -118,10 +118,23 @@ class RunArgs:
         None, "tokens per log-prob forward; default: the memory planner's (16384 on a CPU)", ge=1
     )
     print_plan: bool = flag(
-        False, "print the memory plan (each phase's predicted peak, the budgets) and exit"
+        False,
+        "print the memory plan (each phase's predicted peak, where it goes, the budgets) and exit: "
+        "0 when the run fits, 1 when it does not",
     )
     gpu_memory_gib: float | None = flag(
-        None, "plan for a GPU of this many GiB instead of the visible one", gt=0
+        None,
+        "plan for a GPU of this many GiB and, on a larger one, run as on it (torch's allocations "
+        "and the engine's share capped to it)",
+        gt=0,
+    )
+    n_gpus_per_node: int | None = flag(
+        None,
+        "GPUs per machine (default: the launched processes); --print_plan plans for them",
+        ge=1,
+    )
+    nnodes: int | None = flag(
+        None, "machines (default: torchrun's); --print_plan plans for them", ge=1
     )
     # the learning rate's schedule
     lr_warmup_steps: int = flag(-1, "-1: use lr_warmup_steps_ratio", ge=0, also=(-1,))

@@ -1,31 +1,45 @@
-"""The memory planner: each phase's peak GPU memory, predicted from the model's config, the batch's
-lengths and the memory flags, and the largest token budgets that fit.
+"""The memory planner: each phase's peak GPU memory, predicted from the run's models (as its train
+script declares them, models.Model), the batch's lengths and the memory flags; where that memory
+goes; the largest token budgets that fit; and, when the defaults do not fit, the switches a user
+would reach for, turned on until they do.
 
 A run's phases take turns on the GPU (rollout.py's engine sleeps while the trainer works), so each
 phase's peak is what stays resident plus what that phase adds:
 
-  resident        fp32 master weights (4 bytes a parameter) and AdamW's two moments (8 bytes),
-                  each sharded over the GPUs by FSDP2; the reference model's masters; PPO's
-                  critic's; each model's root unit (embeddings, head) in bf16 after its forward
-  gen             resident + the awake engine, --gpu_memory_utilization of the GPU
-  old_log_prob    resident + one micro-batch's logits over the vocabulary, in bf16, for its response
-  ref, values     tokens (the head sees nothing else) and little more: no activations are kept
-  update_actor    resident + fp32 gradients + every layer's activations for the backward (or, with
-                  --enable_gradient_checkpointing, each layer's input and one layer's activations)
-                  + the logits and their gradient (two bf16 copies; --use_fused_kernels: one chunk)
-  update_critic   the same for the critic's body, with no vocabulary head
+  resident        each model's fp32 master weights (4 bytes a parameter) and, for a trained one,
+                  AdamW's two moments (8 bytes), sharded over the GPUs by FSDP2; each model's root
+                  unit (embeddings, head) in bf16 after its forward
+  gen, testing    resident + the awake engine (its weights and KV cache), --gpu_memory_utilization
+  update_weights  of the GPU (validation generates with it too; the push streams one tensor at once)
+  <pass>          a model's pass without gradients (old_log_prob, ref, values): resident + one
+                  micro-batch's logits over the vocabulary, in bf16, for its response tokens (the
+                  head sees nothing else), and an MLP's transient activations
+  update_<role>   resident + fp32 gradients + every layer's activations for the backward (or, with
+                  gradient checkpointing, each layer's input and one layer's activations) + the
+                  logits and their gradient (two bf16 copies; --use_fused_kernels: one chunk)
+  save_checkpoint resident + the largest tensor gathered (the engine asleep)
+  export
+
+The first step with --warm_compile_caches runs its passes eager (more activations, fp32 logits)
+beside the compiling helper process: its plan (`Plan.first`) leaves the helper its memory, and where
+that leaves too little the helper is left out (the first step then compiles as the others do).
 
 Every response is planned at --max_response_length after the mean prompt, and a micro-batch full
 to its budget (or holding the whole pass, when that is less), so the plan holds for the longest
-responses; a model that answers shorter uses less.
-Two constants are measured, not derived: the activations a token keeps per layer (eager and
-compiled, `ACT_EAGER` / `ACT_COMPILED`, against one H200's peaks, docs/benchmarks.md). Everything is
-in bytes; the table prints GiB, as `perf/max_memory_allocated_gb/<phase>` logs them (torch's
-allocated bytes, without its cache or the CUDA context: `usable` leaves room for those).
+responses; a model that answers shorter uses less. Two constants are measured, not derived: the
+activations a token keeps per layer (eager and compiled, `ACT_EAGER` / `ACT_COMPILED`, against one
+H200's peaks, docs/benchmarks.md). Everything is in bytes; the table prints GiB, as
+`perf/max_memory_allocated_gb/<phase>` logs them (torch's allocated bytes, without its cache or the
+CUDA context: `usable` leaves room for those).
+
+--gpu_memory_gib G plans for a GPU of G GiB and, on a larger one, makes the run behave as on that
+one (`fence`): torch's allocations in the trainer capped at G, the engine's share taken of G.
 """
 
 import math
+import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 GiB = 2**30
 # activations an update keeps per token and decoder layer, as a multiple of
@@ -41,6 +55,77 @@ LOG_PROB_CAP = 65536
 ENGINE_SHARE = 0.6  # the engine's share of the GPU when the trainer leaves room for it
 MARGIN = 0.92  # the share of the GPU a plan fills with torch's allocations (its cache, fragments)
 OVERHEAD = 1.0 * GiB  # CUDA context, NCCL buffers, workspace
+# the smallest budget a plan settles for before it turns switches on: below it an update waits on
+# the CPU (Python, autograd, kernel launches: at 12k tokens on an H200, docs/benchmarks.md)
+BUDGET_FLOOR = 16384
+CHUNK = 2 * GiB  # --use_fused_kernels: a chunk of fp32 logits and its gradient
+GPUS = (24, 40, 48, 80, 94, 141, 192)  # GPU sizes (GiB) a plan that does not fit is tried on
+
+# The shapes of common models (their config.json), by hub id, so that --print_plan plans them
+# with no network: hidden, intermediate, layers, attention heads, key-value heads, head size,
+# vocabulary, embeddings tied to the output layer. An -Instruct variant has its base's shape.
+KNOWN = {
+    "Qwen/Qwen2.5-0.5B": (896, 4864, 24, 14, 2, 64, 151936, True),
+    "Qwen/Qwen2.5-1.5B": (1536, 8960, 28, 12, 2, 128, 151936, True),
+    "Qwen/Qwen2.5-3B": (2048, 11008, 36, 16, 2, 128, 151936, True),
+    "Qwen/Qwen2.5-7B": (3584, 18944, 28, 28, 4, 128, 152064, False),
+    "Qwen/Qwen3-0.6B": (1024, 3072, 28, 16, 8, 128, 151936, True),
+    "Qwen/Qwen3-1.7B": (2048, 6144, 28, 16, 8, 128, 151936, True),
+    "Qwen/Qwen3-4B": (2560, 9728, 36, 32, 8, 128, 151936, True),
+    "Qwen/Qwen3-8B": (4096, 12288, 36, 32, 8, 128, 151936, False),
+    "meta-llama/Llama-3.2-1B": (2048, 8192, 16, 32, 8, 64, 128256, True),
+    "meta-llama/Llama-3.2-3B": (3072, 8192, 28, 24, 8, 128, 128256, True),
+}
+
+
+def known_config(name):
+    """A config-like namespace for a hub id of `KNOWN` (or its -Instruct variant), else None."""
+    key = name.lower().removesuffix("-instruct")
+    for hub_id, (h, i, layers, heads, kv, hd, vocab, tied) in KNOWN.items():
+        if hub_id.lower() == key:
+            return SimpleNamespace(
+                hidden_size=h,
+                intermediate_size=i,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=kv,
+                head_dim=hd,
+                vocab_size=vocab,
+                tie_word_embeddings=tied,
+            )
+    return None
+
+
+def config_of(path):
+    """The config the planner reads for a model: a local folder's, a known hub id's shape (no
+    network), or the hub's config.json. Names --model and the ways out when none can be read."""
+    from transformers import AutoConfig
+
+    known = None if os.path.isdir(os.path.expanduser(path)) else known_config(path)
+    if known is not None:
+        return known
+    try:
+        return AutoConfig.from_pretrained(path)
+    except OSError as error:
+        from flags import need
+
+        need(
+            False,
+            f"--model {path}: its config.json cannot be read ({str(error).splitlines()[0]}); give "
+            "a local folder, or with no network one of the shapes the planner knows: "
+            + ", ".join(KNOWN),
+        )
+
+
+def scaled_logits(config):
+    """Whether a model's logits are not its output layer's as they are (Gemma 2's soft-capping,
+    Cohere's and Granite's scaling): --use_fused_kernels' chunked output layer cannot serve."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(
+        getattr(config, "final_logit_softcapping", None)
+        or getattr(config, "logit_scale", 1.0) not in (None, 1.0)
+        or getattr(config, "logits_scaling", 1.0) not in (None, 1.0)
+    )
 
 
 @dataclass
@@ -92,35 +177,112 @@ class Shape:
 
 
 @dataclass
+class Part:
+    """A model as the planner counts it: its shape, what it is, where its memory lives, and the
+    budget keys of its passes (`passes`: without gradients; `update`: a trained model's)."""
+
+    role: str
+    shape: Shape
+    phase: str  # its pass without gradients: old_log_prob, ref, values
+    passes: str = "log_prob"
+    update: str = "update"
+    value: bool = False  # a value model: the body and a one-output head, no vocabulary head
+    trained: bool = True
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    gradient_checkpointing: bool = False
+
+    @property
+    def params(self):
+        s = self.shape
+        if self.value:  # the body, its embeddings, the final norm and a one-output head
+            return s.layers * s.layer_params + s.vocab * s.hidden + 2 * s.hidden
+        return s.params
+
+    @property
+    def root(self):
+        """Its root unit, gathered in bf16 (a value model's holds the embeddings only)."""
+        s = self.shape
+        return 2 * (s.vocab * s.hidden if self.value else s.root_params)
+
+    def resident(self, world):
+        """What it holds between phases, by what."""
+        held = {
+            f"{self.role} weights": self.root
+            + (0 if self.param_offload else 4 * self.params / world)
+        }
+        if self.trained and not (self.param_offload or self.optimizer_offload):
+            held[f"{self.role} AdamW"] = 8 * self.params / world
+        return held
+
+
+@dataclass
 class Plan:
-    """Each phase's predicted peak (bytes), the budgets chosen, and what to change when something
-    does not fit."""
+    """Each phase's predicted peak (bytes) and where it goes, the budgets chosen, and what to change
+    when something does not fit. `first`: the first step's own plan (eager, beside the compiling
+    helper's `helper` bytes), or None when the first step runs as the others."""
 
     gpu: int  # bytes of GPU memory planned for
     usable: int
-    phases: dict = field(default_factory=dict)
+    world: int = 1
+    phases: dict = field(default_factory=dict)  # name -> (peak, note)
+    parts: dict = field(default_factory=dict)  # name -> {what: bytes}
     budgets: dict = field(default_factory=dict)
     engine_share: float = 0.0
     problems: list = field(default_factory=list)
+    first: "Plan | None" = None
+    helper: int = 0
+    small: list = field(default_factory=list)  # budgets it chose below BUDGET_FLOOR
+    notes: list = field(default_factory=list)  # what the planner chose beyond budgets, and why
+    advice: list = field(default_factory=list)  # what would make it fit, where it does not
+
+    def worst(self):
+        """Why it is not `good`, as a phrase: the phase furthest over what it may use, or the
+        budgets below BUDGET_FLOOR."""
+        if not self.fits:
+            name, (peak, _) = max(self.phases.items(), key=lambda kv: kv[1][0])
+            return f"{name} needs {peak / GiB:.1f} GiB of {self.usable / GiB:.1f}"
+        small = ", ".join(f"--{key} {self.budgets[key]}" for key in self.small)
+        return f"micro-batches of {small} tokens, below {BUDGET_FLOOR}"
+
+    @property
+    def good(self):
+        """It fits, at budgets a step runs fast with."""
+        return self.fits and not self.small
 
     @property
     def fits(self):
-        return not self.problems
+        return not self.problems and (self.first is None or self.first.fits)
+
+    def rows(self, title):
+        lines = [title, f"  {'phase':<15} {'GiB':>5}  {'budget':<14} where it goes (GiB)"]
+        for name, (peak, note) in self.phases.items():
+            parts = sorted(self.parts[name].items(), key=lambda kv: -kv[1])
+            where = ", ".join(f"{what} {b / GiB:.1f}" for what, b in parts if b >= 0.05 * GiB)
+            lines.append(f"  {name:<15} {peak / GiB:>5.1f}  {note:<14} {where}")
+        return lines
 
     def table(self):
-        lines = [
-            f"memory plan for a GPU of {self.gpu / GiB:.1f} GiB (torch's allocations planned up to "
-            f"{self.usable / GiB:.1f} GiB):",
-            f"  {'phase':<15} {'predicted GiB':>13}  budget",
-        ]
-        for name, (peak, note) in self.phases.items():
-            lines.append(f"  {name:<15} {peak / GiB:>13.1f}  {note}")
-        lines += [f"  does not fit: {p}" for p in self.problems]
+        gpus = f"{self.world} GPUs" if self.world > 1 else "a GPU"
+        lines = self.rows(
+            f"memory plan for {gpus} of {self.gpu / GiB:.1f} GiB (torch's allocations planned up "
+            f"to {self.usable / GiB:.1f} GiB):"
+        )
+        if self.first is not None:
+            lines += self.first.rows(
+                f"the first step, eager beside the compiling helper's {self.helper / GiB:.1f} GiB "
+                f"(up to {self.first.usable / GiB:.1f} GiB):"
+            )
+        lines += [f"  {note}" for note in self.notes]
+        if self.problems:
+            lines.append(f"  does not fit: {'; '.join(self.problems)}")
+        if self.first is not None and self.first.problems:
+            lines.append(f"  does not fit in the first step: {'; '.join(self.first.problems)}")
         return "\n".join(lines)
 
 
 def plan(
-    shape,
+    models,
     gpu_bytes,
     *,
     world=1,
@@ -128,127 +290,112 @@ def plan(
     response_len,
     batch_seqs,
     mini_batch_seqs,
-    critic=False,
-    reference=True,
-    gradient_checkpointing=False,
-    critic_gradient_checkpointing=False,
     fused_kernels=False,
     compiled_log_probs=True,
     compile_update=True,
-    param_offload=False,
-    optimizer_offload=False,
-    ref_param_offload=False,
-    critic_param_offload=False,
-    critic_optimizer_offload=False,
     engine_share=None,
     budgets=None,
+    helper=0,
 ):
-    """Predict each phase's peak on one GPU and choose what is not given: the engine's share of the
-    GPU (`engine_share`: what the trainer leaves, at most ENGINE_SHARE) and the token budgets
-    (`budgets`, a dict with any of "update", "log_prob", "critic": each the largest multiple of
-    1,024 up to its cap whose phase fits, at least one whole sequence).
+    """Predict each phase's peak on one GPU for `models` (a list of `Part`, the policy first) and
+    choose what is not given: the engine's share of the GPU (`engine_share`: what the trainer
+    leaves, at most ENGINE_SHARE) and the token budgets (`budgets`, a dict by the parts' budget
+    keys: each the largest multiple of 1,024 up to its cap at which every phase using it fits, at
+    least one whole sequence). `helper`: bytes another process holds meanwhile (the compiling
+    helper), left out of what the trainer may use.
 
     prompt_len: the prompts' mean length in tokens (their maximum when the data is not read);
     response_len: --max_response_length; batch_seqs / mini_batch_seqs: the sequences of a step and
     of an optimizer step on this GPU (a micro-batch holds no more than they do)."""
-    P, V, h, s = shape.params, shape.vocab, shape.hidden, world
-    P_critic = shape.layers * shape.layer_params + V * h + 2 * h  # the body and a 1-output head
-    usable = int(gpu_bytes * MARGIN - OVERHEAD)
-    root = 2 * shape.root_params  # a model's root unit, gathered in bf16
+    usable = int(gpu_bytes * MARGIN - OVERHEAD) - helper
     longest = prompt_len + response_len
     share = response_len / longest  # the response tokens of a full micro-batch
-    resident = root + (0 if param_offload else 4 * P / s)
-    resident += 0 if (param_offload or optimizer_offload) else 8 * P / s
-    if reference:
-        resident += root + (0 if ref_param_offload else 4 * P / s)
-    if critic:  # its root holds the embeddings only
-        resident += 2 * V * h + (0 if critic_param_offload else 4 * P_critic / s)
-        resident += 0 if (critic_param_offload or critic_optimizer_offload) else 8 * P_critic / s
-    logit = 2 * V  # one token's bf16 logits
+    resident = {}
+    for m in models:
+        resident |= m.resident(world)
+    held = sum(resident.values())
 
     def full(budget, seqs):
         """A micro-batch's tokens at most: the budget, unless the pass holds fewer (sequences of
         unequal length fill some micro-batch of a step nearly to the budget)."""
         return min(budget, seqs * longest)
 
-    def log_prob_pass(budget, with_head=True):
+    def no_grad_pass(m, budget):
         tokens = full(budget, batch_seqs)
-        head = tokens * share * logit * (1 if compiled_log_probs else 5) if with_head else 0
-        return resident + head + tokens * 4 * shape.intermediate  # eager: an fp32 copy too
+        logits = 0 if m.value else tokens * share * 2 * m.shape.vocab
+        logits *= 1 if compiled_log_probs else 5  # eager: fp32 copies and log-softmax
+        # an MLP's product while it runs (eager: an fp32 copy too)
+        return resident | {"logits": logits, "activations": tokens * 4 * m.shape.intermediate}
 
-    def update(budget, checkpointing, with_head, params, offloaded):
-        tokens = full(budget, mini_batch_seqs)
-        per_layer = shape.activations(compile_update)
-        if checkpointing:  # each layer's input, and one layer's activations while it recomputes
-            act = tokens * (2 * h * shape.layers + per_layer)
+    def update(m, budget):
+        s, tokens = m.shape, full(budget, mini_batch_seqs)
+        per_layer = s.activations(compile_update)
+        if m.gradient_checkpointing:  # each layer's input; one layer's activations recomputed
+            act = tokens * (2 * s.hidden * s.layers + per_layer)
         else:
-            act = tokens * per_layer * shape.layers
-        if not with_head:
-            head = 0
+            act = tokens * per_layer * s.layers
+        if m.value:
+            logits = 0
         elif fused_kernels:  # a chunk of fp32 logits and the head's fp32 weight gradient
-            head = 2 * GiB + 4 * V * h
+            logits = CHUNK + 4 * s.vocab * s.hidden
         else:  # the saved logits and their gradient (eager: fp32 copies too)
-            head = tokens * share * logit * (2 if compiled_log_probs else 6)
-        return resident + (0 if offloaded else 4 * params / s) + act + head
+            logits = tokens * share * 2 * s.vocab * (2 if compiled_log_probs else 6)
+        grads = 0 if m.param_offload else 4 * m.params / world
+        return resident | {f"{m.role} gradients": grads, "activations": act, "logits": logits}
 
-    peaks = {
-        "update": lambda t: update(t, gradient_checkpointing, True, P, param_offload),
-        "log_prob": log_prob_pass,
-    }
-    if critic:
-        peaks["critic"] = lambda t: update(
-            t, critic_gradient_checkpointing, False, P_critic, critic_param_offload
-        )
-    caps = {"update": UPDATE_CAP, "log_prob": LOG_PROB_CAP, "critic": UPDATE_CAP}
+    # each budget key's phases, as functions of the budget
+    uses = {}
+    for m in models:
+        uses.setdefault(m.passes, []).append((m.phase, lambda t, m=m: no_grad_pass(m, t)))
+        if m.trained:
+            uses.setdefault(m.update, []).append((f"update_{m.role}", lambda t, m=m: update(m, t)))
+    caps = {key: LOG_PROB_CAP for key in uses} | {m.update: UPDATE_CAP for m in models if m.trained}
     chosen = dict(budgets or {})
-    for name, peak in peaks.items():
-        if name not in chosen:  # the largest that fits; the smallest when none does
-            fits = [t for t in range(1024, caps[name] + 1, 1024) if t >= longest]
-            fits = [t for t in fits if peak(t) <= usable] or [max(longest, 1024)]
-            chosen[name] = max(fits)
+    small = []
+    for key, phases in uses.items():
+        if key not in chosen:  # the largest that fits; the smallest when none does
+            fits = [t for t in range(1024, caps[key] + 1, 1024) if t >= longest]
+            fits = [t for t in fits if all(sum(f(t).values()) <= usable for _, f in phases)]
+            chosen[key] = max(fits or [max(longest, 1024)])
+            seqs = mini_batch_seqs if key in {m.update for m in models if m.trained} else batch_seqs
+            if chosen[key] < min(BUDGET_FLOOR, seqs * longest):
+                small.append(key)
 
     if engine_share is None:
-        engine_share = max(0.0, min(ENGINE_SHARE, (usable - resident) / gpu_bytes))
+        engine_share = max(0.0, min(ENGINE_SHARE, (usable - held) / gpu_bytes))
     engine = engine_share * gpu_bytes
-    result = Plan(gpu_bytes, usable, budgets=chosen, engine_share=engine_share)
-    phases = {"gen": (resident + engine, f"engine {engine_share:.2f} of the GPU")}
-    phases["old_log_prob"] = (log_prob_pass(chosen["log_prob"]), f"{chosen['log_prob']} tokens")
-    if reference:
-        phases["ref"] = phases["old_log_prob"]
-    if critic:
-        phases["values"] = (log_prob_pass(chosen["critic"], False), f"{chosen['critic']} tokens")
-        phases["update_critic"] = (peaks["critic"](chosen["critic"]), f"{chosen['critic']} tokens")
-    phases["update_actor"] = (peaks["update"](chosen["update"]), f"{chosen['update']} tokens")
-    phases["update_weights"] = phases["gen"]
-    result.phases = phases
-    engine_min = 2 * P + 2 * GiB  # its bf16 weights and a little cache
+    result = Plan(
+        gpu_bytes, usable, world, budgets=chosen, engine_share=engine_share, helper=helper
+    )
+    result.small = small
+    awake = resident | {"engine": engine}
+    parts = {"gen": (awake, f"engine {engine_share:.2f}")}
+    for key, phases in uses.items():
+        for name, f in phases:
+            parts[name] = (f(chosen[key]), f"{chosen[key]} tokens")
+    # the pass without gradients first, then the updates, as a step runs them
+    parts = dict(sorted(parts.items(), key=lambda kv: kv[0].startswith("update_")))
+    parts["update_weights"] = (awake, f"engine {engine_share:.2f}")
+    if not helper:  # a run's phases after its steps; not the first step's (beside the helper)
+        parts["testing"] = parts["update_weights"]
+        largest = max(m.shape.vocab * m.shape.hidden for m in models)  # an embedding
+        parts["save_checkpoint"] = (resident | {"a tensor gathered": 4 * largest}, "")
+        parts["export"] = parts["save_checkpoint"]
+    result.parts = {name: what for name, (what, _) in parts.items()}
+    result.phases = {name: (sum(what.values()), note) for name, (what, note) in parts.items()}
+    policy = models[0]
+    engine_min = 2 * policy.params + 2 * GiB  # its bf16 weights and a little cache
     if engine < engine_min:
         result.problems.append(
             f"gen: the engine needs {engine_min / GiB:.1f} GiB beside the trainer's "
-            f"{resident / GiB:.1f} GiB"
+            f"{held / GiB:.1f} GiB"
         )
     result.problems += [
-        f"{name}: {peak / GiB:.1f} GiB" for name, (peak, _) in phases.items() if peak > usable
+        f"{name}: {peak / GiB:.1f} GiB"
+        for name, (peak, _) in result.phases.items()
+        if peak > usable
     ]
     return result
-
-
-def advice(args):
-    """The flags that would lower the plan, for the message when nothing fits."""
-    tips = []
-    if not args.enable_gradient_checkpointing:
-        tips.append("--enable_gradient_checkpointing (recompute activations)")
-    if not args.use_fused_kernels:
-        tips.append("--use_fused_kernels (no full logits)")
-    if not args.optimizer_offload and not args.param_offload:
-        tips.append("--optimizer_offload (AdamW's state on the CPU between updates)")
-    if not args.param_offload:
-        tips.append("--param_offload (weights on the CPU)")
-    if getattr(args, "ref_param_offload", True) is False:
-        tips.append("--ref_param_offload (the reference model on the CPU)")
-    tips.append(f"a shorter --max_response_length (now {args.max_response_length})")
-    tips.append("more GPUs (FSDP2 shards weights and optimizer over them) or a smaller model")
-    return tips
 
 
 # --- the run's plan: its models (models.Model) and flags ------------------------------------------
@@ -259,48 +406,109 @@ def budget_flags(specs):
     return list(dict.fromkeys(flag for spec in specs for flag in spec.budget_flags()))
 
 
-def memory_plan(args, specs, world, memory_bytes, prompt_len, budgets, compiled=True):
-    """`plan` for a run's models (`specs`) and flags on a GPU of `memory_bytes`, the `budgets` given
-    (a dict by flag; the rest chosen); `compiled` False plans every pass eager
-    (--warm_compile_caches' first step). Returns the plan with its budgets by flag."""
-    from transformers import AutoConfig
+def parts_of(args, specs):
+    """The planner's `Part` of each of a run's models, its switches read from the flags its
+    declaration names, its budgets keyed by their flags."""
+    configs = {}
+    parts = []
+    for spec in specs:
+        if spec.path not in configs:
+            configs[spec.path] = config_of(spec.path)
+        parts.append(
+            Part(
+                spec.role,
+                Shape.of(configs[spec.path]),
+                spec.phase,
+                passes=spec.passes[1],
+                update=spec.update[1],
+                value=spec.value,
+                trained=spec.trained,
+                param_offload=spec.on(args, "param_offload"),
+                optimizer_offload=spec.on(args, "optimizer_offload"),
+                gradient_checkpointing=spec.on(args, "gradient_checkpointing"),
+            )
+        )
+    return parts
 
-    policy = specs[0]  # the policy the engine generates with
-    frozen = [s for s in specs if not s.trained and not s.value]
-    value = next((s for s in specs if s.value), None)
-    keys = {policy.passes[1]: "log_prob", policy.update[1]: "update"}
-    keys |= {value.update[1]: "critic"} if value else {}
-    p = plan(
-        Shape.of(AutoConfig.from_pretrained(policy.path)),
+
+def memory_plan(args, specs, world, memory_bytes, prompt_len, budgets, compiled=True, helper=0):
+    """`plan` for a run's models (`specs`) and flags on a GPU of `memory_bytes`, the `budgets` given
+    (a dict by flag; the rest chosen); `compiled` False plans every pass eager, beside a helper of
+    `helper` bytes (--warm_compile_caches' first step, its output layer chunk by chunk where it
+    can be)."""
+    fused = args.use_fused_kernels
+    if not compiled:
+        fused = fused or not scaled_logits(config_of(specs[0].path))
+    return plan(
+        parts_of(args, specs),
         memory_bytes,
         world=world,
         prompt_len=prompt_len,
         response_len=args.max_response_length,
         batch_seqs=args.train_batch_size * args.rollout_n // world,
         mini_batch_seqs=args.ppo_mini_batch_size * args.rollout_n // world,
-        critic=value is not None,
-        reference=bool(frozen),
-        gradient_checkpointing=policy.gradient_checkpointing,
-        critic_gradient_checkpointing=value is not None and value.gradient_checkpointing,
-        fused_kernels=args.use_fused_kernels,
+        fused_kernels=fused,
         compiled_log_probs=compiled and args.use_torch_compile is not False,
         compile_update=compiled and args.compile_update,
-        param_offload=policy.param_offload,
-        optimizer_offload=policy.optimizer_offload,
-        ref_param_offload=bool(frozen) and frozen[0].param_offload,
-        critic_param_offload=value is not None and value.param_offload,
-        critic_optimizer_offload=value is not None and value.optimizer_offload,
         engine_share=args.gpu_memory_utilization,
-        budgets={keys[flag]: tokens for flag, tokens in budgets.items()},
+        budgets=budgets,
+        helper=helper,
     )
-    p.budgets = {flag: p.budgets[key] for flag, key in keys.items()}
-    return p
 
 
-def plan_memory(args, specs, world, device, prompt_len, given):
+def remedies(args, specs):
+    """What a user would turn on when a run does not fit, in the order to try them, the cheapest in
+    time first: (flag, what it does). The chunked output layer costs nothing measurable (H200,
+    docs/benchmarks.md); an offloaded reference moves its weights in for its pass; offloaded AdamW
+    state moves in and out for each update; recomputed activations add about a third of a forward
+    and backward to the update."""
+    out = []
+    if not scaled_logits(config_of(specs[0].path)):
+        out.append(("use_fused_kernels", "the output layer chunk by chunk: no full logits"))
+    for spec in specs:
+        if not spec.trained and spec.param_offload:
+            out.append((spec.param_offload, f"the {spec.role} model's weights on the CPU"))
+    for spec in specs:
+        if spec.trained and spec.optimizer_offload:
+            out.append((spec.optimizer_offload, f"the {spec.role}'s AdamW state on the CPU"))
+    for spec in specs:
+        if spec.trained and spec.gradient_checkpointing:
+            out.append((spec.gradient_checkpointing, f"the {spec.role}'s activations recomputed"))
+    return out
+
+
+def advice(args, specs, world, prompt_len, budgets, gpu_bytes, given):
+    """What would make a run fit, for the message when nothing does: the switches not on yet, and
+    the GPUs on which the flags as given would fit (the others turned on as the planner does)."""
+    tips = [f"--{name} ({why})" for name, why in remedies(args, specs) if not getattr(args, name)]
+    for spec in specs:
+        if spec.trained and spec.param_offload and not getattr(args, spec.param_offload):
+            tips.append(f"--{spec.param_offload} (the {spec.role}'s weights on the CPU)")
+    tips.append(f"a shorter --max_response_length (now {args.max_response_length})")
+    planner = SimpleNamespace(**vars(args))
+    for name, _ in remedies(args, specs):
+        setattr(planner, name, getattr(args, name) if name in given else True)
+
+    def fits(gib, gpus):
+        return memory_plan(planner, specs, gpus, int(gib * GiB), prompt_len, budgets).fits
+
+    size = next((g for g in GPUS if g * GiB > gpu_bytes and fits(g, world)), None)
+    more = next((n for n in (2, 4, 8, 16, 32, 64) if n > world and fits(gpu_bytes / GiB, n)), None)
+    if size or more:
+        what = [f"a GPU of {size} GiB"] if size else []
+        what += [f"{more} GPUs of {gpu_bytes / GiB:.0f} GiB"] if more else []
+        tips.append(f"with the flags given, {' or '.join(what)} (FSDP2 shards over GPUs)")
+    return tips
+
+
+def plan_memory(args, specs, world, device, prompt_len, given, helper=None):
     """Fill the speed and memory flags left to their defaults: on a GPU (or for --gpu_memory_gib),
     micro-batches by the token budgets the memory planner picks, the update compiled, the engine's
-    share of what the trainer leaves; on a CPU, the small fixed ones. Returns the plan (None on a
+    share of what the trainer leaves; on a CPU, the small fixed ones. Where the defaults do not
+    fit, it turns on `remedies` one by one until they do, and, with the compiling helper
+    (`helper`: its bytes as a function of the flags, once the budgets are chosen; None without
+    it), plans the first step eager beside it or leaves the
+    helper out (--warm_compile_caches false) where that does not fit. Returns the plan (None on a
     CPU without --gpu_memory_gib). A flag given on the command line (`given`) always wins, and a
     per-sequence micro-batch size given there keeps verl's meaning (no token budgets)."""
     gpu = device.type == "cuda"
@@ -323,11 +531,50 @@ def plan_memory(args, specs, world, device, prompt_len, given):
     if memory_bytes:
         chosen = {name: getattr(args, name) for name in names if getattr(args, name)}
         result = memory_plan(args, specs, world, memory_bytes, prompt_len, chosen)
+        worst = result.worst()
+        turned = []  # each switch turned on until it fits, then those it fits without off again
+        for name, why in remedies(args, specs):
+            if result.good:
+                break
+            if name not in given and not getattr(args, name):
+                setattr(args, name, True)
+                turned.append((name, why))
+                result = memory_plan(args, specs, world, memory_bytes, prompt_len, chosen)
+        for name, why in reversed(turned if result.fits else []):
+            setattr(args, name, False)
+            without = memory_plan(args, specs, world, memory_bytes, prompt_len, chosen)
+            if without.good or (without.fits and not result.good):
+                turned.remove((name, why))
+                result = without
+            else:
+                setattr(args, name, True)
+        result.notes = [f"turned on --{name} ({why})" for name, why in turned]
+        if turned:
+            result.notes[-1] += f": with the defaults, {worst}"
+        if not result.fits:
+            result.advice = advice(args, specs, world, prompt_len, chosen, memory_bytes, given)
     if result is not None:
         for name in names:
             setattr(args, name, getattr(args, name) or result.budgets[name])
         if args.gpu_memory_utilization is None:
             args.gpu_memory_utilization = math.floor(result.engine_share * 100) / 100
+        if helper is not None and args.use_dynamic_bsz and result.fits:
+            helper = helper(args)
+            given_budgets = {name: getattr(args, name) for name in names if name in given}
+            first = memory_plan(
+                args, specs, world, memory_bytes, prompt_len, given_budgets, False, helper
+            )
+            if first.fits or "warm_compile_caches" in given:
+                result.first, result.helper = first, helper
+            else:
+                args.warm_compile_caches = False
+                peak = max(p for p, _ in first.phases.values())
+                result.notes.append(
+                    f"left out the compiling helper (--warm_compile_caches false): the first step, "
+                    f"eager, needs up to {peak / GiB:.1f} GiB, and beside the helper's "
+                    f"{helper / GiB:.1f} GiB {first.usable / GiB:.1f} GiB are left; the first step "
+                    "compiles its passes"
+                )
     for name in names:  # a CPU's, or the per-sequence micro-batches' unused ones
         setattr(args, name, getattr(args, name) or 16384)
     if args.gpu_memory_utilization is None:
@@ -347,5 +594,37 @@ def plan_message(plan, args, specs):
         ]
         lines.append("  with " + " ".join(f"--{k} {getattr(args, k)}" for k in names))
     else:
-        lines.append("  to fit, try: " + "; ".join(advice(args)))
+        advice = plan.advice or ["--warm_compile_caches false (no helper beside the first step)"]
+        lines.append("  to fit, try: " + "; ".join(advice))
     return "\n".join(lines)
+
+
+# --- --gpu_memory_gib on a larger GPU -------------------------------------------------------------
+
+
+def fence(args, device):
+    """--gpu_memory_gib G on a GPU that holds more: cap this process's torch allocations at G GiB
+    (torch's per-process memory fraction; the in-process engine allocates through torch too).
+    Returns the GPU's total bytes."""
+    import torch
+
+    from flags import need
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = int(args.gpu_memory_gib * GiB)
+    need(
+        cap <= total,
+        f"--gpu_memory_gib {args.gpu_memory_gib}: this GPU holds {total / GiB:.1f} GiB; give at "
+        "most that, or leave it out",
+    )
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    return total
+
+
+def engine_utilization(args, total):
+    """The share of the whole GPU (`total` bytes) to give the engine: --gpu_memory_utilization is
+    a share of the GPU planned for, which --gpu_memory_gib makes smaller than this one (`total`
+    None: no GPU, nothing to take it of)."""
+    if not args.gpu_memory_gib or not total:
+        return args.gpu_memory_utilization
+    return args.gpu_memory_utilization * args.gpu_memory_gib * GiB / total

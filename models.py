@@ -27,19 +27,27 @@ class Model:
     `update` name the flags of their micro-batches: sequences per micro-batch, and the token budget
     that replaces it with --use_dynamic_bsz. A trained policy's pass without gradients also gives
     the entropy (verl's actor/entropy), and `entropy` says its update's loss has an entropy term, so
-    that compiling ahead compiles the graphs the step runs."""
+    that compiling ahead compiles the graphs the step runs. Its memory switches (`param_offload`,
+    `optimizer_offload`, `gradient_checkpointing`) name the flags that set them, so that the
+    memory planner can read them and turn them on where the run would not fit otherwise (`on`
+    reads one)."""
 
     role: str  # "actor", "ref", "critic": its name in checkpoints, the plan and the logs
     path: str  # a hub id or a local folder
     phase: str
     value: bool = False  # a value model (a score per token on the policy's body), not a causal LM
     trained: bool = True  # gradients and an optimizer, checkpointed
-    param_offload: bool = False
-    optimizer_offload: bool = False
-    gradient_checkpointing: bool = False
+    param_offload: str | None = None  # each: the flag's name, or None where it has none
+    optimizer_offload: str | None = None
+    gradient_checkpointing: str | None = None
     entropy: bool = False
     passes: tuple = ("log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu")
     update: tuple = ("ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu")
+
+    def on(self, args, switch):
+        """Whether its memory `switch` ("param_offload", ...) is on in `args`."""
+        name = getattr(self, switch)
+        return bool(name and getattr(args, name))
 
     @property
     def update_phase(self):
@@ -87,7 +95,8 @@ def load(spec, device, args, trainable=None, layers=None):
         model = cls.from_pretrained(spec.path, config=config, **kw)
     else:
         model = cls.from_config(few_layers(config, layers), **kw)
-    if device.type == "cuda" and not spec.param_offload:
+    offload = spec.on(args, "param_offload")
+    if device.type == "cuda" and not offload:
         model.to(device)
     if args.use_remove_padding:
         ops.probe_flash_varlen(device)
@@ -96,8 +105,8 @@ def load(spec, device, args, trainable=None, layers=None):
     apply_fsdp2(
         model,
         param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-        gradient_checkpointing=trainable and spec.gradient_checkpointing,
-        cpu_offload=spec.param_offload,
+        gradient_checkpointing=trainable and spec.on(args, "gradient_checkpointing"),
+        cpu_offload=offload,
     )
     if not trainable:
         # Frozen: it only runs under torch.no_grad (`passes.batched`) and no optimizer holds it. Its

@@ -20,6 +20,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+import memory
 from sharding import decoder_layers
 
 PACKED_ATTENTION = "packed_varlen"  # load models with attn_implementation=PACKED_ATTENTION
@@ -408,12 +409,7 @@ def plain_output_layer(model):
     unchanged (no soft-capping, as Gemma 2's, no scaling, as Cohere's): what `fused_log_probs`
     needs, which reads the log-probs from the layer itself."""
     head = model.get_output_embeddings()
-    config = model.config.get_text_config()
-    scaled = (
-        getattr(config, "final_logit_softcapping", None)
-        or getattr(config, "logit_scale", 1.0) not in (None, 1.0)
-        or getattr(config, "logits_scaling", 1.0) not in (None, 1.0)
-    )
+    scaled = memory.scaled_logits(model.config)
     return isinstance(head, torch.nn.Linear) and head.bias is None and not scaled
 
 

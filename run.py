@@ -145,6 +145,7 @@ class Run:
         self.args, self.rank, self.world, self.device, self.specs = args, rank, world, device, specs
         self.step, self.loaded, self.optimizers, self.schedulers = 0, {}, {}, {}
         self.state, self.last_row, self.plan, self.warm = {}, None, None, None
+        self.gpu_bytes = None  # the GPU's own size, where there is one
         self.engine, self.logger, self.stop, self.bar, self.stopping = None, None, None, None, False
         self.given = given_flags()  # the flags named on the command line
 
@@ -198,7 +199,7 @@ class Run:
         self.state = state
         # the optimizers' state exists from step 1 on (the memory plan's peaks hold from there),
         # where --optimizer_offload keeps it between updates
-        offload = {s.role: s.optimizer_offload for s in self.specs}
+        offload = {s.role: s.on(args, "optimizer_offload") for s in self.specs}
         for role, opt in optimizers.items():
             if not args.val_only:
                 sharding.init_optimizer_state(opt)
@@ -263,7 +264,7 @@ class Run:
             args.model,
             engines_per_gpu=args.engines_per_gpu,
             tensor_parallel_size=args.tensor_model_parallel_size,
-            gpu_memory_utilization=args.gpu_memory_utilization,
+            gpu_memory_utilization=memory.engine_utilization(args, self.gpu_bytes),
             max_num_seqs=args.max_num_seqs,
             torch_compile=args.rollout_compile,
             seed=args.seed,
@@ -484,6 +485,13 @@ def check_budgets(args, specs):
         )
 
 
+def planned_world(args, world):
+    """The GPUs a plan is for: --n_gpus_per_node x --nnodes where given (--print_plan plans for
+    them without launching them), else the launched processes."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return (args.n_gpus_per_node or local) * (args.nnodes or max(world // local, 1))
+
+
 def start(args, check_args, declare_models):
     """Start a run: the process group, the flags checked (the script's `check_args`), its models
     (`declare_models(args)`, a list of models.Model), the reward function, seeds, tokenizer, data,
@@ -494,13 +502,25 @@ def start(args, check_args, declare_models):
     specs = [m for m in declare_models(args) if m is not None]
     check_budgets(args, specs)
     run = Run(args, rank, world, device, specs)
+    if device.type == "cuda":
+        run.gpu_bytes = torch.cuda.get_device_properties(device).total_memory
+        if args.gpu_memory_gib:  # behave as on a GPU of that size
+            memory.fence(args, device)
+    gpus = planned_world(args, world)
     if args.print_plan:  # the model's config only: no weights, no data
-        plan = memory.plan_memory(args, specs, world, device, args.max_prompt_length, run.given)
-        if plan is None:
-            need(False, "--print_plan: no GPU is visible; say which with --gpu_memory_gib G")
+        need(
+            device.type == "cuda" or args.gpu_memory_gib,
+            "--print_plan: no GPU is visible; say which with --gpu_memory_gib G",
+        )
+        plan = plan_memory(run, gpus, args.max_prompt_length)
         if rank == 0:
             print(memory.plan_message(plan, args, specs), flush=True)
-        raise SystemExit(0)
+        raise SystemExit(0 if plan.fits else 1)
+    need(
+        gpus == world,
+        f"--n_gpus_per_node {args.n_gpus_per_node} x --nnodes {args.nnodes} = {gpus} GPUs, but "
+        f"{world} processes were launched: drop them (they are for --print_plan) or launch as many",
+    )
     check_paths(args)
     run.lock = lock_folder(args.default_local_dir) if rank == 0 else None  # held to the end
     if args.resume_mode == "disable" and checkpoint.list_checkpoints(args.default_local_dir):
@@ -549,16 +569,31 @@ def start(args, check_args, declare_models):
     prompts = run.train or run.val
     mean_prompt = np.mean([len(e.prompt_ids) for e in prompts.examples]) if prompts else 0
     run.prompt_len = int(mean_prompt) or args.max_prompt_length
-    run.plan = memory.plan_memory(args, specs, world, device, run.prompt_len, run.given)
+    run.plan = plan_memory(run, world, run.prompt_len)
     if run.plan is not None:
-        need(run.plan.fits, memory.plan_message(run.plan, args, specs))
+        message = memory.plan_message(run.plan, args, specs)
+        need(run.plan.fits, message)
         if rank == 0:
-            print(memory.plan_message(run.plan, args, specs), flush=True)
+            print(message, flush=True)
     steps_per_epoch = len(run.train) // args.train_batch_size if run.train else 0
     run.total_steps = args.total_training_steps or steps_per_epoch * args.total_epochs
     if compile_ahead.warms(args, device) and not args.val_only:
         run.warm = compile_ahead.WarmStart(run)  # the helper compiles while the models load
     return run
+
+
+def plan_memory(run, world, prompt_len):
+    """The memory plan (memory.plan_memory) of a run on `world` GPUs, with the compiling helper's
+    memory where --warm_compile_caches would start it (planned as on a GPU for
+    --gpu_memory_gib on a CPU)."""
+    args, specs = run.args, run.specs
+    gpu = run.device if run.device.type == "cuda" else torch.device("cuda")
+    planned = run.device.type == "cuda" or args.gpu_memory_gib is not None
+    helper = None
+    if planned and compile_ahead.warms(args, gpu) and not args.val_only:
+        config = memory.config_of(specs[0].path)
+        helper = lambda args: compile_ahead.helper_bytes(args, config, specs)  # noqa: E731
+    return memory.plan_memory(args, specs, world, run.device, prompt_len, run.given, helper)
 
 
 def launch(main, Args):

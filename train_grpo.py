@@ -279,12 +279,12 @@ def models(args):
             "actor",
             args.model,
             "old_log_prob",
-            param_offload=args.param_offload,
-            optimizer_offload=args.optimizer_offload,
-            gradient_checkpointing=args.enable_gradient_checkpointing,
+            param_offload="param_offload",
+            optimizer_offload="optimizer_offload",
+            gradient_checkpointing="enable_gradient_checkpointing",
             entropy=args.entropy_coeff != 0,
         ),
-        Model("ref", args.model, "ref", trained=False, param_offload=args.ref_param_offload)
+        Model("ref", args.model, "ref", trained=False, param_offload="ref_param_offload")
         if kl
         else None,
     ]

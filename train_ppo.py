@@ -432,12 +432,12 @@ def models(args):
             "actor",
             args.model,
             "old_log_prob",
-            param_offload=args.param_offload,
-            optimizer_offload=args.optimizer_offload,
-            gradient_checkpointing=args.enable_gradient_checkpointing,
+            param_offload="param_offload",
+            optimizer_offload="optimizer_offload",
+            gradient_checkpointing="enable_gradient_checkpointing",
             entropy=args.entropy_coeff != 0,
         ),
-        Model("ref", args.model, "ref", trained=False, param_offload=args.ref_param_offload)
+        Model("ref", args.model, "ref", trained=False, param_offload="ref_param_offload")
         if kl
         else None,
         Model(
@@ -445,9 +445,9 @@ def models(args):
             args.critic_model,
             "values",
             value=True,
-            param_offload=args.critic_param_offload,
-            optimizer_offload=args.critic_optimizer_offload,
-            gradient_checkpointing=args.critic_enable_gradient_checkpointing,
+            param_offload="critic_param_offload",
+            optimizer_offload="critic_optimizer_offload",
+            gradient_checkpointing="critic_enable_gradient_checkpointing",
             passes=critic,
             update=critic,
         ),

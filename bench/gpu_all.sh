@@ -13,6 +13,11 @@
 #   COLD=1 bash bench/gpu_all.sh card_compile  # the README's GRPO command, 3 steps, through
 #                                   # bench/compile_times.py: where torch.compile's time went (TORCH_LOGS=recompiles
 #                                   # adds why it compiled again; COMPILE_WORKERS_AT_LAUNCH=1 starts inductor's workers first)
+#   bash bench/gpu_all.sh gib_24 gib_40 gib_80 gib_none gib_ppo_24  # the README's GRPO (PPO) command as on a
+#                                   # GPU of 24, 40, 80 GiB (--gpu_memory_gib) and on the GPU itself, 3 steps, the
+#                                   # last validated, checkpointed and exported: the plan against the peaks, and
+#                                   # every process's memory by NVML (bench/nvml_peak.py); qwen3_gib_80,
+#                                   # qwen3_gib_40: one step of the random Qwen3-1.7B with what the planner chose
 #   bash bench/gpu_all.sh plan_grpo plan_ppo  # the same, 3 steps, on a random-init model of Qwen2.5-0.5B's shape
 #                                   # (responses at the length limit, as the planner plans them)
 #   bash bench/gpu_all.sh grpo_compiled  # 5 GRPO steps, update compiled, 49k/64k-token micro-batches
@@ -118,6 +123,27 @@ for part in "${parts[@]}"; do
                  --total_training_steps 5 --default_local_dir $RUNS/$part && cp $RUNS/$part/metrics.jsonl \
                  $OUT/$part.jsonl && $PY bench/phase_table.py $OUT/$part.jsonl $plain && \
                  $PY bench/plan_table.py $OUT/$part.jsonl" ;;
+    # the README's command, data paths only, as on a GPU of G GiB (--gpu_memory_gib G; none: the GPU's
+    # own size): 3 steps, validated and checkpointed at the last, then exported; the GPU memory all its
+    # processes held, by NVML, beside the plan's phases against their measured peaks
+    gib_*|gib_ppo_*) g=${part##*_}; script=train_grpo.py; [[ $part = gib_ppo_* ]] && script=train_ppo.py
+            cap=""; [ "$g" != none ] && cap="--gpu_memory_gib $g"
+            cmd="rm -rf $RUNS/$part; $PY bench/nvml_peak.py --out $OUT/$part.nvml.json & s=\$!; \
+                 $PY -m torch.distributed.run --nproc_per_node=1 $script --model $MODEL $data $cap \
+                 --total_training_steps 3 --test_freq 3 --save_freq 3 --default_local_dir $RUNS/$part; r=\$?; \
+                 kill -INT \$s; wait \$s; cp $RUNS/$part/metrics.jsonl $OUT/$part.jsonl && \
+                 $PY bench/phase_table.py $OUT/$part.jsonl $plain && \
+                 $PY bench/plan_table.py $OUT/$part.jsonl $OUT/$part.nvml.json; test \$r = 0" ;;
+    # the Qwen3-1.7B tutorial's shape on random weights as on a GPU of G GiB, with what the planner
+    # turns on there: one step, and the plan against the peaks
+    qwen3_gib_*) g=${part##*_}
+            cmd="$make_qwen3 && rm -rf $RUNS/$part; $PY bench/nvml_peak.py --out $OUT/$part.nvml.json & \
+                 s=\$!; $PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $qwen3 $data \
+                 --gpu_memory_gib $g --total_training_steps 1 --val_before_train false --test_freq -1 \
+                 --export_final false --train_batch_size 1024 --rollout_n 3 --ppo_mini_batch_size 80 \
+                 --max_response_length 1024 --default_local_dir $RUNS/$part; r=\$?; kill -INT \$s; wait \$s; \
+                 cp $RUNS/$part/metrics.jsonl $OUT/$part.jsonl && $PY bench/phase_table.py $OUT/$part.jsonl \
+                 $plain && $PY bench/plan_table.py $OUT/$part.jsonl $OUT/$part.nvml.json; test \$r = 0" ;;
     card_compile) cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/compile_times.py train_grpo.py \
                  --model $MODEL $data --total_training_steps 3 --default_local_dir $RUNS/$part && cp \
                  $RUNS/$part/metrics.jsonl $OUT/$part.jsonl && $PY bench/phase_table.py $OUT/$part.jsonl $plain" ;;
@@ -187,7 +213,7 @@ for part in "${parts[@]}"; do
     profile) cmd="TORCH_LOGS=recompiles $PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT \
                   --modes eager all train fused --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 \
                   --repeats 2" ;;
-    *) echo "unknown part $part (test, engine, engine_pool, sync, card, card_ppo, card_warm, card_ppo_warm, card_nowarm, card_compile, plan_grpo, plan_ppo, plan_qwen3, grpo, grpo_compiled, grpo_pool, grpo_off_policy,"\
+    *) echo "unknown part $part (test, engine, engine_pool, sync, card, card_ppo, card_warm, card_ppo_warm, card_nowarm, card_compile, gib_G, gib_ppo_G, qwen3_gib_G, plan_grpo, plan_ppo, plan_qwen3, grpo, grpo_compiled, grpo_pool, grpo_off_policy,"\
             "ppo, learn, learn_filter, val, profile, qwen3, scale, fused, scale_1, scale_1_warm,"\
             "scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
   esac

@@ -1,33 +1,60 @@
 """The memory planner's predictions against the measured peaks of a run, phase by phase.
 
-    python bench/plan_table.py RUN/metrics.jsonl
+    python bench/plan_table.py RUN/metrics.jsonl [PEAK.json]
 
-For each phase: the plan's prediction (`perf/planned_memory_gb/<phase>`, the same every step), the
-largest measured peak (`perf/max_memory_allocated_gb/<phase>`) over the steps after the first (step
-1 alone when there is no other: AdamW's state appears during it), and their ratio. The plan assumes
-every response at the length limit: a model that answers shorter measures less.
+For each phase: the plan's prediction (`perf/planned_memory_gb/<phase>`), the largest measured peak
+(`perf/max_memory_allocated_gb/<phase>`) over the steps after the first, and their ratio; then the
+same for step 1 where it had a plan of its own (--warm_compile_caches' eager first step beside the
+compiling helper), or for step 1 alone when there is no other (AdamW's state appears during it).
+The plan assumes every response at the length limit: a model that answers shorter measures less.
+PEAK.json (bench/nvml_peak.py): the GPU memory all the run's processes held, by the driver's count.
 """
 
 import json
 import sys
 
 
-def main(path):
-    rows = [r for r in map(json.loads, open(path)) if "timing_s/step" in r]
-    later = [r for r in rows if r["step"] > 1] or rows
-    phases = [k.split("/")[-1] for k in rows[0] if k.startswith("perf/planned_memory_gb/")]
-    print(f"{'phase':<15} {'planned GiB':>11} {'measured GiB':>12} {'measured/planned':>16}")
-    for phase in phases:
-        planned = rows[0][f"perf/planned_memory_gb/{phase}"]
+def planned(row):
+    return {k.split("/")[-1]: v for k, v in row.items() if k.startswith("perf/planned_memory_gb/")}
+
+
+def table(title, rows):
+    """Lines: each phase's prediction (the rows' last) beside the largest peak measured in them."""
+    plan = planned(rows[-1])
+    lines = [
+        title,
+        f"{'phase':<15} {'planned GiB':>11} {'measured GiB':>12} {'measured/planned':>16}",
+    ]
+    for phase, predicted in plan.items():
         key = f"perf/max_memory_allocated_gb/{phase}"
-        measured = [r[key] for r in later if key in r]
+        measured = [r[key] for r in rows if key in r]
         if not measured:
-            print(f"{phase:<15} {planned:>11.1f} {'-':>12}")
+            lines.append(f"{phase:<15} {predicted:>11.1f} {'-':>12}")
             continue
-        print(
-            f"{phase:<15} {planned:>11.1f} {max(measured):>12.1f} {max(measured) / planned:>16.2f}"
+        peak = max(measured)
+        lines.append(f"{phase:<15} {predicted:>11.1f} {peak:>12.1f} {peak / predicted:>16.2f}")
+    return lines
+
+
+def main(path, peak=None):
+    rows = [r for r in map(json.loads, open(path)) if "timing_s/step" in r]
+    later = [r for r in rows if r["step"] > 1]
+    first = [r for r in rows if r["step"] == 1]
+    lines = []
+    if later:
+        steps = f"steps {later[0]['step']}-{later[-1]['step']}"
+        lines += table(steps, later)
+    if first and (not later or planned(first[0]) != planned(later[-1])):
+        lines += table("step 1" + (" (its own plan)" if later else ""), first)
+    if peak:
+        p = json.load(open(peak))
+        lines.append(
+            f"all processes (NVML): {p['peak_gib']:.1f} GiB above the {p['baseline_gib']:.1f} GiB "
+            "in use before the run; the processes' own counts together "
+            f"{p['peak_processes_gib']:.1f} GiB at most"
         )
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

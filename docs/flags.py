@@ -40,6 +40,8 @@ VERL = {
     "log_prob_max_token_len_per_gpu": f"{ARA}.rollout/ref.log_prob_max_token_len_per_gpu",
     "print_plan": None,
     "gpu_memory_gib": None,
+    "n_gpus_per_node": "trainer.n_gpus_per_node",
+    "nnodes": "trainer.nnodes",
     "lr_warmup_steps": f"{ARA}.actor.optim.lr_warmup_steps",
     "lr_warmup_steps_ratio": f"{ARA}.actor.optim.lr_warmup_steps_ratio",
     "lr_scheduler_type": f"{ARA}.actor.optim.warmup_style",

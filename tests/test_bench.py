@@ -14,7 +14,9 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import ab_table  # noqa: E402
 import bench_engine  # noqa: E402
 import learn_table  # noqa: E402
+import nvml_peak  # noqa: E402
 import phase_table  # noqa: E402
+import plan_table  # noqa: E402
 import scaling_table  # noqa: E402
 
 ROW = {
@@ -35,6 +37,50 @@ ROW = {
     "response_length/mean": 100.0,
     "perf/max_memory_allocated_gb": 10.0,
 }
+
+
+def test_nvml_peak_summary_by_hand():
+    """Two processes (the trainer, the helper) on a GPU that held 1 GiB before the run."""
+    G = 2**30
+    samples = [
+        (0.0, 1 * G, {}),
+        (0.5, 9 * G, {10: 6 * G, 11: 2 * G}),
+        (1.0, 13 * G, {10: 11 * G, 11: 1 * G}),
+        (1.5, 5 * G, {10: 4 * G}),
+    ]
+    s = nvml_peak.summarize(1 * G, samples)
+    assert s["baseline_gib"] == 1 and s["peak_gib"] == 12
+    assert s["peak_processes_gib"] == 12  # the sum at one moment, not each one's peak added
+    assert s["peak_by_pid_gib"] == {"10": 11, "11": 2}
+    assert s["timeline"] == [[0.0, 0.0], [0.5, 8.0], [1.0, 12.0], [1.5, 4.0]]
+
+
+def test_plan_table_sets_the_first_steps_own_plan_apart(tmp_path, capsys):
+    """Step 1 planned eager beside the helper, steps 2-3 compiled: each against its own steps'
+    peaks; the NVML peak after them."""
+    rows = [
+        {"step": 1, "timing_s/step": 30.0, "perf/planned_memory_gb/update_actor": 50.0,
+         "perf/max_memory_allocated_gb/update_actor": 45.0},
+        {"step": 2, "timing_s/step": 20.0, "perf/planned_memory_gb/update_actor": 40.0,
+         "perf/max_memory_allocated_gb/update_actor": 36.0,
+         "perf/planned_memory_gb/save_checkpoint": 8.0},
+        {"step": 3, "timing_s/step": 20.0, "perf/planned_memory_gb/update_actor": 40.0,
+         "perf/max_memory_allocated_gb/update_actor": 38.0,
+         "perf/planned_memory_gb/save_checkpoint": 8.0,
+         "perf/max_memory_allocated_gb/save_checkpoint": 6.0},
+    ]  # fmt: skip
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    peak = tmp_path / "peak.json"
+    peak.write_text(json.dumps({"peak_gib": 23.5, "baseline_gib": 0.5, "peak_processes_gib": 23.0}))
+    plan_table.main(str(path), str(peak))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "steps 2-3"
+    assert out[2].split() == ["update_actor", "40.0", "38.0", "0.95"]
+    assert out[3].split() == ["save_checkpoint", "8.0", "6.0", "0.75"]
+    assert out[4] == "step 1 (its own plan)"
+    assert out[6].split() == ["update_actor", "50.0", "45.0", "0.90"]
+    assert out[7].startswith("all processes (NVML): 23.5 GiB above the 0.5 GiB")
 
 
 def test_speed_of_light_by_hand():

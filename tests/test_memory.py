@@ -2,6 +2,7 @@
 its predictions against peaks one H200 measured (docs/runs), what it says when nothing fits, and
 --print_plan from the command line (no GPU, no weights, no data)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,18 @@ QWEN25_05B = SimpleNamespace(**{**SHAPES["qwen2.5-0.5b"], "tie_word_embeddings":
 QWEN3_17B = SimpleNamespace(**SHAPES["qwen3-1.7b"])
 
 
+def policy(shape, **kw):
+    """The planner's actor and reference for `shape` (GRPO's models)."""
+    return [
+        memory.Part("actor", shape, "old_log_prob", **kw),
+        memory.Part("ref", shape, "ref", trained=False),
+    ]
+
+
+def critic(shape):
+    return memory.Part("critic", shape, "values", passes="critic", update="critic", value=True)
+
+
 def test_shape_counts_parameters_by_hand():
     shape = memory.Shape.of(TINY)
     # a layer: q 4x4 + o 4x4 = 32, k and v 4x2 each = 16, their biases 4 + 2 + 2 = 8, the MLP
@@ -55,7 +68,7 @@ def test_a_plan_by_hand(monkeypatch):
     monkeypatch.setattr(memory, "MARGIN", 1.0)
     monkeypatch.setattr(memory, "OVERHEAD", 0)
     p = memory.plan(
-        memory.Shape.of(TINY),
+        policy(memory.Shape.of(TINY)),
         700_000,
         prompt_len=24,
         response_len=8,
@@ -72,6 +85,17 @@ def test_a_plan_by_hand(monkeypatch):
     # t = 3072: 1,019,718.4 > 700,000. So 2,048.
     assert p.budgets["update"] == 2048
     assert p.phases["update_actor"][0] == pytest.approx(682_617.6)
+    # where it goes: each model's masters and bf16 root, AdamW, the gradients, the rest
+    assert p.parts["update_actor"] == pytest.approx(
+        {
+            "actor weights": 168 + 1616,
+            "actor AdamW": 3232,
+            "ref weights": 168 + 1616,
+            "actor gradients": 1616,
+            "activations": 2048 * 319.2,
+            "logits": 2048 * 10,
+        }
+    )
     # log-prob passes: no micro-batch holds more than the step's 8,192 tokens:
     # 6,800 + 8192 x 0.25 x 20 (logits) + 8192 x 4 x 8 (the MLP's) = 309,904; so the cap
     assert p.budgets["log_prob"] == memory.LOG_PROB_CAP
@@ -80,6 +104,9 @@ def test_a_plan_by_hand(monkeypatch):
     # the engine: 0.6 of the GPU (the trainer leaves more); but that is no room for its weights
     assert p.engine_share == 0.6 and p.phases["gen"][0] == pytest.approx(6_800 + 420_000)
     assert not p.fits and p.problems[0].startswith("gen: the engine needs 2.0 GiB")
+    # checkpoint and export: resident and the largest tensor gathered in fp32 (the embedding, 40)
+    assert p.phases["save_checkpoint"][0] == p.phases["export"][0] == 6_800 + 160
+    assert p.phases["testing"] == p.phases["update_weights"] == p.phases["gen"]
 
 
 def within(predicted, low, high, tolerance=0.15):
@@ -96,7 +123,7 @@ def test_the_qwen25_plan_against_the_h200s_peaks():
     # eager layers (ab_layout_grpo_h200_*, 2026-12-02): gen 94.55-94.56 GiB, the log-prob passes
     # 17.15-17.27, update_actor 33.21-33.79
     grpo = memory.plan(
-        shape,
+        policy(shape),
         H200,
         prompt_len=105,
         response_len=280,
@@ -113,13 +140,12 @@ def test_the_qwen25_plan_against_the_h200s_peaks():
     # ab_layout_ppo_h200_*): gen 72.10, old_log_prob 21.31-22.92, values 16.99-17.18,
     # update_critic 49.17-49.67, update_actor 38.87-38.96
     ppo = memory.plan(
-        shape,
+        [*policy(shape), critic(shape)],
         H200,
         prompt_len=105,
         response_len=282,
         batch_seqs=256,
         mini_batch_seqs=64,
-        critic=True,
         compile_update=False,
         engine_share=0.4,
         budgets={"update": 12288, "log_prob": 32768, "critic": 32768},
@@ -131,43 +157,108 @@ def test_the_qwen25_plan_against_the_h200s_peaks():
     assert within(ppo.phases["update_actor"][0], 38.87, 38.96)
     # the defaults the planner picks for the tutorial's shape on an H200: the caps, 0.6
     default = memory.plan(
-        shape, H200, prompt_len=105, response_len=1024, batch_seqs=1280, mini_batch_seqs=320
+        policy(shape), H200, prompt_len=105, response_len=1024, batch_seqs=1280, mini_batch_seqs=320
     )
     assert default.fits and default.budgets == {"update": 49152, "log_prob": 65536}
     assert default.engine_share == 0.6
 
 
-def test_qwen3_fits_an_80gb_gpu_not_a_24gb_one_and_says_what_to_change():
+def test_qwen3_fits_an_80gb_gpu_not_a_24gb_one_unless_the_switches_are_on():
     shape = memory.Shape.of(QWEN3_17B)
     kw = dict(prompt_len=512, response_len=1024, batch_seqs=3072, mini_batch_seqs=240)
-    big = memory.plan(shape, 80 * GiB, **kw)
+    big = memory.plan(policy(shape), 80 * GiB, **kw)
     assert big.fits and 1536 <= big.budgets["update"] < memory.UPDATE_CAP
     assert all(peak <= big.usable for peak, _ in big.phases.values())
-    small = memory.plan(shape, 24 * GiB, **kw)
+    small = memory.plan(policy(shape), 24 * GiB, **kw)
     assert not small.fits
     assert any(p.startswith("update_actor") for p in small.problems)
-    flags = SimpleNamespace(
-        enable_gradient_checkpointing=False,
-        use_fused_kernels=False,
-        optimizer_offload=False,
-        param_offload=False,
-        ref_param_offload=False,
-        max_response_length=1024,
-    )
-    tips = " ".join(memory.advice(flags))
-    for flag in ("--enable_gradient_checkpointing", "--optimizer_offload", "--param_offload"):
-        assert flag in tips
-    # with what the advice names, it fits the smaller GPU
-    offloaded = memory.plan(
-        shape,
-        24 * GiB,
-        **kw,
-        gradient_checkpointing=True,
-        fused_kernels=True,
-        param_offload=True,
-        ref_param_offload=True,
-    )
+    switched = policy(shape, gradient_checkpointing=True, param_offload=True)
+    switched[1].param_offload = True
+    offloaded = memory.plan(switched, 24 * GiB, **kw, fused_kernels=True)
     assert offloaded.fits, offloaded.table()
+
+
+def qwen3_args(tmp_path, monkeypatch, argv=(), **kw):
+    """GRPO's Args for the Qwen3-1.7B tutorial's shape (a config folder), argv as given."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    import train_grpo
+
+    config = {k: v for k, v in vars(QWEN3_17B).items() if k != "model_type"}
+    AutoConfig.for_model("qwen3", **config).save_pretrained(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train_grpo.py", *argv])
+    shape = dict(train_batch_size=1024, ppo_mini_batch_size=256, max_response_length=1024)
+    args = dataclasses.replace(train_grpo.Args(), model=str(tmp_path), **shape, **kw)
+    return args, [m for m in train_grpo.models(args) if m]
+
+
+def test_where_the_defaults_do_not_fit_the_planner_turns_on_switches_until_they_do(
+    tmp_path, monkeypatch
+):
+    """Qwen3-1.7B at the tutorial's shape. On 40 GiB the defaults do not fit (the update, at 1,024
+    tokens, needs 36.6 GiB of 35.8): the planner turns switches on, the cheapest first, until the
+    update's micro-batches fit and hold BUDGET_FLOOR tokens, then off again those it does without:
+    the reference offloaded and the activations recomputed stay. On 24 GiB it needs all four. Each
+    is named with why. A switch given on the command line is never turned on; with nothing left to
+    turn on, the plan says what else would do: the flags, and a GPU size or count."""
+    import torch
+
+    cpu = torch.device("cpu")
+    args, specs = qwen3_args(tmp_path, monkeypatch, gpu_memory_gib=40.0)
+    p = memory.plan_memory(args, specs, 1, cpu, 512, flags.given_flags())
+    assert p.good, p.table()
+    assert args.ref_param_offload and args.enable_gradient_checkpointing
+    assert not args.use_fused_kernels and not args.optimizer_offload
+    assert args.ppo_max_token_len_per_gpu >= memory.BUDGET_FLOOR
+    assert p.notes == [
+        "turned on --ref_param_offload (the ref model's weights on the CPU)",
+        "turned on --enable_gradient_checkpointing (the actor's activations recomputed): with the "
+        "defaults, update_actor needs 36.6 GiB of 35.8",
+    ]
+    args, specs = qwen3_args(tmp_path, monkeypatch, gpu_memory_gib=24.0)
+    p = memory.plan_memory(args, specs, 1, cpu, 512, flags.given_flags())
+    assert p.good, p.table()
+    switches = ("use_fused_kernels", "ref_param_offload", "optimizer_offload")
+    assert all(getattr(args, name) for name in switches) and args.enable_gradient_checkpointing
+    assert "update_actor needs 36.6 GiB of 21.1" in p.notes[-1]
+    assert "turned on --optimizer_offload (the actor's AdamW state on the CPU)" in (
+        memory.plan_message(p, args, specs)
+    )
+    # given on the command line: left as given, and then nothing fits
+    argv = ["--enable_gradient_checkpointing", "false", "--optimizer_offload", "false"]
+    args, specs = qwen3_args(tmp_path, monkeypatch, argv, gpu_memory_gib=24.0)
+    p = memory.plan_memory(args, specs, 1, cpu, 512, flags.given_flags())
+    assert not args.enable_gradient_checkpointing and not args.optimizer_offload and not p.fits
+    assert args.use_fused_kernels and args.ref_param_offload
+    message = memory.plan_message(p, args, specs)
+    assert "to fit, try: --optimizer_offload (the actor's AdamW state on the CPU); " in message
+    assert "--enable_gradient_checkpointing (the actor's activations recomputed)" in message
+    assert "--param_offload (the actor's weights on the CPU)" in message
+    assert "with the flags given, a GPU of 40 GiB or 2 GPUs of 24 GiB" in message
+
+
+def test_a_fork_with_another_model_gets_it_planned(tmp_path, monkeypatch):
+    """The planner counts what a script declares: an extra frozen model (a second reference, say)
+    adds its weights to every phase and a pass of its own."""
+    import torch
+
+    from models import Model
+
+    args, specs = qwen3_args(tmp_path, monkeypatch, gpu_memory_gib=141.0)
+    cpu = torch.device("cpu")
+    before = memory.plan_memory(args, specs, 1, cpu, 512, set())
+    args, specs = qwen3_args(tmp_path, monkeypatch, gpu_memory_gib=141.0)
+    extra = Model("teacher", specs[0].path, "teacher", trained=False)
+    after = memory.plan_memory(args, [*specs, extra], 1, cpu, 512, set())
+    assert not before.notes and not after.notes  # nothing turned on: the same switches
+    assert "teacher" in after.phases and "teacher weights" in after.parts["gen"]
+    weights = after.parts["gen"]["teacher weights"]
+    assert weights == after.parts["gen"]["ref weights"]
+    assert after.phases["save_checkpoint"][0] == pytest.approx(
+        before.phases["save_checkpoint"][0] + weights
+    )
 
 
 def test_print_plan_needs_no_gpu_weights_or_data(tmp_path):
@@ -182,7 +273,16 @@ def test_print_plan_needs_no_gpu_weights_or_data(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "memory plan for a GPU of 80.0 GiB" in out.stdout
-    for phase in ("gen", "old_log_prob", "ref", "update_actor", "update_weights"):
+    for phase in (
+        "gen",
+        "old_log_prob",
+        "ref",
+        "update_actor",
+        "update_weights",
+        "testing",
+        "save_checkpoint",
+        "export",
+    ):
         assert f"\n  {phase} " in out.stdout
     assert "--use_dynamic_bsz True --ppo_max_token_len_per_gpu 49152" in out.stdout
     assert not (tmp_path / "none.parquet").exists()
@@ -204,6 +304,75 @@ def test_print_plan_needs_no_gpu_weights_or_data(tmp_path):
     assert ppo.returncode == 0 and "update_critic" in ppo.stdout, ppo.stderr[-3000:]
     no_gpu = subprocess.run(common, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert no_gpu.returncode == 1 and "no GPU is visible" in no_gpu.stderr
+
+
+def print_plan(argv, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    return subprocess.run(
+        [sys.executable, *argv, "--print_plan"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+def test_print_plan_offline_by_hub_name_for_gpus_not_launched_and_its_exit_status(tmp_path):
+    """With no network and nothing cached, a model named as on the hub is planned from the shapes
+    the planner knows; --n_gpus_per_node plans for GPUs that are not there; the exit status says
+    whether the run fits."""
+    out = print_plan(["train_grpo.py", "--gpu_memory_gib", "24"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "turned on --enable_gradient_checkpointing" in out.stdout
+    assert "left out the compiling helper (--warm_compile_caches false)" in out.stdout
+    eight = ["--model", "Qwen/Qwen3-8B", "--gpu_memory_gib", "80", "--n_gpus_per_node", "8"]
+    out = print_plan(["train_grpo.py", *eight], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "memory plan for 8 GPUs of 80.0 GiB" in out.stdout
+    big = ["--model", "Qwen/Qwen2.5-7B-Instruct", "--gpu_memory_gib", "24"]
+    out = print_plan(["train_ppo.py", *big], tmp_path)
+    assert out.returncode == 1 and "to fit, try: " in out.stdout, out.stderr[-3000:]
+    assert "--param_offload (the actor's weights on the CPU)" in out.stdout
+    unknown = print_plan(["train_grpo.py", "--model", "org/unknown-7b", "--gpu_memory_gib", "80"],
+                         tmp_path)  # fmt: skip
+    assert unknown.returncode == 1
+    assert "--model org/unknown-7b: its config.json cannot be read" in unknown.stderr
+    assert "Qwen/Qwen3-1.7B" in unknown.stderr  # the shapes it knows
+
+
+def test_a_smaller_gpu_on_a_larger_one_caps_the_trainer_and_the_engines_share(monkeypatch):
+    """--gpu_memory_gib 24 on an H200 (139.8 GiB as torch reports it): torch's allocations capped
+    at 24/139.8 of the GPU, and the engine's --gpu_memory_utilization taken of the 24 GiB (0.55 of
+    it: 13.2 GiB, 0.0944 of the H200)."""
+    import torch
+
+    import run
+
+    fractions = []
+    total = int(139.8 * GiB)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=total)
+    )
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: fractions.append(f)
+    )
+    args = SimpleNamespace(gpu_memory_gib=24.0, gpu_memory_utilization=0.55)
+    assert memory.fence(args, "cuda:0") == total
+    assert fractions == [pytest.approx(24 / 139.8)]
+    share = memory.engine_utilization(args, total)
+    assert share == pytest.approx(0.55 * 24 / 139.8) and round(share * 139.8, 1) == 13.2
+    args.gpu_memory_gib = None
+    assert memory.engine_utilization(args, total) == 0.55
+    args.gpu_memory_gib = 200.0
+    with pytest.raises(SystemExit, match="--gpu_memory_gib 200.0: this GPU holds 139.8 GiB"):
+        memory.fence(args, "cuda:0")
+    # the GPUs a plan is for: those given, else those launched
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    plain = SimpleNamespace(n_gpus_per_node=None, nnodes=None)
+    assert run.planned_world(plain, 4) == 4
+    assert run.planned_world(SimpleNamespace(n_gpus_per_node=8, nnodes=None), 4) == 16
+    assert run.planned_world(SimpleNamespace(n_gpus_per_node=8, nnodes=4), 1) == 32
 
 
 def test_the_flags_left_to_the_planner_and_those_given(tmp_path, monkeypatch):
@@ -277,7 +446,7 @@ def test_print_plan_under_torchrun_ends_every_rank_cleanly(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("memory plan for a GPU of 80.0 GiB") == 1
+    assert out.stdout.count("memory plan for 2 GPUs of 80.0 GiB") == 1
     assert "failed" not in out.stderr
 
 
@@ -285,9 +454,10 @@ def test_the_eager_first_step_plans_eager_budgets_and_gives_the_compiled_ones_ba
     tmp_path, monkeypatch
 ):
     """--warm_compile_caches on an H200 at verl's GRPO tutorial shape: the first step runs eager at
-    the budgets of a plan for eager passes on the GPU less the helper's memory (18.2 GiB, worked
-    below), with the update's output layer chunk by chunk (--use_fused_kernels; without it the
-    eager plan's update would take 33,792 tokens against the compiled plan's 49,152) and each
+    the budgets of a plan for eager passes beside the helper's memory (18.2 GiB, worked below),
+    made before the models load, with the update's output layer chunk by chunk
+    (--use_fused_kernels; without it the eager plan's update would take 32,768 tokens against the
+    compiled plan's 49,152) and each
     phase starting with torch's cached memory given back; checkpoints and loggers get the flags as
     given meanwhile. After it the compiled plan, budgets and output layer are back, the compiler's
     stance too, and the step's passes compile on the helper's made-up batch (15 x (8 + 1,024)
@@ -306,11 +476,11 @@ def test_the_eager_first_step_plans_eager_budgets_and_gives_the_compiled_ones_ba
     monkeypatch.setattr(metrics.Timer, "release_cache", False)
     monkeypatch.setattr(sys, "argv", ["train_grpo.py"])
     args = dataclasses.replace(train_grpo.Args(), model=str(tmp_path), gpu_memory_gib=139.8)
-    cpu = torch.device("cpu")
     # planned as on the GPU (nothing here runs on it)
     specs = [m for m in train_grpo.models(args) if m]
     r = run.Run(args, 0, 1, torch.device("cuda"), specs)
-    r.plan, r.prompt_len = memory.plan_memory(args, specs, 1, cpu, 105, set()), 105
+    r.given, r.prompt_len = set(), 105
+    r.plan = run.plan_memory(r, 1, 105)
     r.loaded = {"actor": AutoModelForCausalLM.from_config(tiny_config())}  # a plain output layer
     warm = object.__new__(compile_ahead.WarmStart)  # without the helper process
     warm.run, warm.process, warm.eager = r, None, False
@@ -324,11 +494,11 @@ def test_the_eager_first_step_plans_eager_budgets_and_gives_the_compiled_ones_ba
     assert compile_ahead.helper_bytes(args, config, specs) == helper
     assert round(helper / GiB, 1) == 18.2
     budgets = {"ppo_max_token_len_per_gpu": 49152, "log_prob_max_token_len_per_gpu": 65536}
-    assert compiled.budgets == budgets
+    assert compiled.budgets == budgets and compiled.helper == helper
     eager = {
         fused: memory.plan(
-            memory.Shape.of(QWEN25_05B),
-            compiled.gpu - helper,
+            memory.parts_of(args, specs),
+            compiled.gpu,
             prompt_len=105,
             response_len=1024,
             batch_seqs=1280,
@@ -337,15 +507,22 @@ def test_the_eager_first_step_plans_eager_budgets_and_gives_the_compiled_ones_ba
             compiled_log_probs=False,
             compile_update=False,
             engine_share=0.6,
+            helper=helper,
         )
         for fused in (False, True)
     }
-    assert eager[False].budgets == {"update": 33792, "log_prob": 65536}
-    assert eager[True].budgets == {"update": 49152, "log_prob": 65536}
+    assert eager[False].budgets == {
+        "ppo_max_token_len_per_gpu": 32768,
+        "log_prob_max_token_len_per_gpu": 65536,
+    }
+    assert eager[True].budgets == budgets
+    assert compiled.first.phases == eager[True].phases and compiled.first.usable == (
+        int(139.8 * GiB * memory.MARGIN - memory.OVERHEAD) - helper
+    )
     warm.eager_budgets()
     assert (args.ppo_max_token_len_per_gpu, args.log_prob_max_token_len_per_gpu) == (49152, 65536)
     assert args.use_fused_kernels and metrics.Timer.release_cache
-    assert r.plan.phases == eager[True].phases
+    assert r.plan is compiled.first
     warm.eager = True  # as first_step_eager sets it
     given = r.flags()
     assert (given["ppo_max_token_len_per_gpu"], given["use_fused_kernels"]) == (49152, False)
