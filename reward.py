@@ -207,32 +207,43 @@ class RewardFunction:
             f"import sys; sys.path.insert(0, {here!r}); import reward; "
             f"reward._serve({self.path!r}, {self.name!r}, {os.getpid()}, {main_thread})"
         )
+        # in a session of its own: a SIGTERM or Ctrl-C to the trainer's process group (from
+        # `timeout`, torchrun, Slurm, a terminal) is the trainer's to handle, not the worker's
         return subprocess.Popen(
-            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
         )
 
-    def call_all(self, calls):
+    def call_all(self, calls, stop_at_error=False):
+        """One outcome per call, in order; `stop_at_error`: from the first call that fails (raises,
+        times out, ends its worker) the others are not made, or abandoned, as ("skipped", None)."""
         with self.lock:
             try:
                 if self.workers:
                     self.busy = f"calling the reward function {self.label} in {len(self.workers)} "
                     self.busy += f"worker processes on {len(calls)} samples"
-                    return self._call_in_workers(calls)
-                outcomes = []
-                for i, call in enumerate(calls):
+                    return self._call_in_workers(calls, stop_at_error)
+
+                def note(i, call):
                     self.busy = (
                         f"calling the reward function {self.label} on sample {i} "
                         f"(data_source={call['data_source']!r})"
                     )
-                    outcomes.append(_call(self.fn, call))
-                return outcomes
+
+                return _call_each(self.fn, calls, stop_at_error, note)
             finally:
                 self.busy = None
 
-    def _call_in_workers(self, calls):
+    def _call_in_workers(self, calls, stop_at_error=False):
         outcomes, todo = [None] * len(calls), list(range(len(calls)))[::-1]
         busy = {}  # worker index -> (sample index, deadline)
         while todo or busy:
+            if stop_at_error and any(o is not None and o[0] != "ok" for o in outcomes):
+                for w in busy:  # abandoned mid-call: a fresh worker in its place
+                    self._restart(w)
+                return [o if o is not None else ("skipped", None) for o in outcomes]
             for w in [w for w in range(len(self.workers)) if w not in busy]:
                 if not todo:
                     break
@@ -292,10 +303,29 @@ def close_all():
         _OPEN.pop().close()
 
 
-def _call(fn, kwargs):
+def _call_each(fn, calls, stop_at_error, note=None):
+    """`_call` on each call in turn (`note(i, call)` before each); with `stop_at_error` none after
+    the first that fails, each of those ("skipped", None)."""
+    outcomes = []
+    for i, call in enumerate(calls):
+        if note is not None:
+            note(i, call)
+        outcomes.append(_call(fn, call))
+        if stop_at_error and outcomes[-1][0] != "ok":
+            break
+    return outcomes + [("skipped", None)] * (len(calls) - len(outcomes))
+
+
+def _call(fn, kwargs, catch=(Exception, SystemExit)):
+    """("ok", what fn returned), or ("error", what it raised, the exception). A call of sys.exit()
+    is an error of the sample too: the run must not end in the middle of a step, least of all with
+    status 0. A worker catches everything (`_serve`), KeyboardInterrupt included: a Ctrl-C is the
+    trainer's, so one inside a worker is the function's own."""
     try:
         return ("ok", fn(**kwargs))
-    except Exception as e:
+    except catch as e:
+        if isinstance(e, SystemExit):
+            return ("error", f"called sys.exit({e.code!r})", e)
         return ("error", f"{type(e).__name__}: {e}", e)
 
 
@@ -335,7 +365,7 @@ def _serve(path, name, parent, parent_death_signal):
     os.dup2(2, 1)
     fn = load_reward_function(path, name)
     while (kwargs := _receive(calls)) is not None:
-        outcome = _call(fn, kwargs)[:2]  # the exception itself may not pickle
+        outcome = _call(fn, kwargs, BaseException)[:2]  # the exception itself may not pickle
         try:
             _send(outcomes, outcome)
         except (pickle.PicklingError, TypeError, AttributeError) as e:
@@ -363,10 +393,11 @@ def score_batch(
     Returns (scores, extras, n_errors): scores is a list[float]; extras maps each numeric extra key
     that fn returned in a dict to a list[float] over all samples (0.0 where a sample lacks the key,
     so means are over the batch); non-numeric extras (e.g. the extracted answer) are dropped.
-    A failing sample (fn raised, ran out of time, its worker died, or it returned None, a string,
-    nan, a dict without a numeric "score"): reward_errors="raise" raises RuntimeError naming the
-    sample, its data source and the function; "zero" scores it 0.0, counts it in n_errors and
-    prints it to stderr (the first 5 of a batch).
+    A failing sample (fn raised or called sys.exit, ran out of time, its worker died, or it
+    returned None, a string, nan, a dict without a numeric "score"): reward_errors="raise" raises
+    RuntimeError naming the sample, its data source and the function, at the first call that
+    raises, times out or dies (no call after it is made); "zero" scores it 0.0, counts it in
+    n_errors and prints it to stderr (the first 5 of a batch).
     """
     assert reward_errors in ("raise", "zero"), (
         f"reward_errors must be 'raise' or 'zero', not {reward_errors!r}"
@@ -376,11 +407,18 @@ def score_batch(
         dict(data_source=s, solution_str=r, ground_truth=g, extra_info=e, **kwargs)
         for s, r, g, e in zip(data_sources, responses, ground_truths, extra_infos)
     ]
-    call_all = getattr(fn, "call_all", None)
-    outcomes = call_all(calls) if call_all else [_call(fn, c) for c in calls]
+    stop = reward_errors == "raise"  # the first failure stops the run: no call after it
+    if getattr(fn, "call_all", None) is None:
+        outcomes = _call_each(fn, calls, stop)
+    else:
+        outcomes = fn.call_all(calls, stop_at_error=stop)
     scores, rows, n_errors = [], [], 0
     for i, (call, outcome) in enumerate(zip(calls, outcomes)):
         kind, out = outcome[0], outcome[1]
+        if kind == "skipped":  # raise mode, after a failure: the loop raises at that one
+            scores.append(0.0)
+            rows.append({})
+            continue
         score = extra = None
         if kind == "ok":
             extra = (
@@ -393,7 +431,7 @@ def score_batch(
             if kind == "ok":
                 what = f"returned {type(out).__name__} {str(out)[:100]!r}"
             elif kind == "error":
-                what = f"raised {out}"
+                what = out if out.startswith("called sys.exit") else f"raised {out}"
             elif kind == "timeout":
                 what = f"did not return within --reward_timeout {out} s"
             else:  # died

@@ -345,6 +345,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
         os._exit(3)
     if solution_str == "raise":
         raise ValueError("no answer")
+    if solution_str == "sys.exit":
+        sys.exit(0)
+    if solution_str == "interrupt":
+        raise KeyboardInterrupt
     if solution_str == "slow":
         time.sleep(1.0)
     if solution_str == "pid":
@@ -414,6 +418,86 @@ def test_a_reward_call_that_stalls_dies_or_raises_is_a_reward_error(stalling, ca
         pids = [p.pid for p in fn.workers]
     finally:
         fn.close()
+    assert not any(alive(p) for p in pids)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_reward_that_leaves_is_a_reward_error_and_raise_mode_stops_at_the_first(
+    stalling, capfd, workers
+):
+    """sys.exit() in the function (in this process or a worker), a KeyboardInterrupt raised inside
+    a worker: errors of their samples, named, never the end of the run. With --reward_errors raise
+    the first failure stops the batch: the stalls after it are never waited for."""
+    fn = reward.RewardFunction(stalling, workers=workers, timeout=1.0 if workers else None)
+    try:
+        responses = ["7", "sys.exit"] + (["interrupt"] if workers else [])
+        n = len(responses)
+        scores, _, n_errors = score_batch(
+            fn, ["gsm"] * n, responses, ["7"] * n, [None] * n, reward_errors="zero"
+        )
+        assert scores == [1.0] + [0.0] * (n - 1) and n_errors == n - 1
+        err = capfd.readouterr().err
+        label = f"reward function compute_score in {stalling}"
+        assert f"{label} called sys.exit(0) on sample 1" in err
+        if workers:
+            assert f"{label} raised KeyboardInterrupt:  on sample 2" in err
+        stalls = ["slow"] * 6 if not workers else ["sleep"] * 8
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="on sample 0"):
+            score_batch(fn, ["gsm"] * 9, ["raise" if not workers else "sleep", *stalls],
+                        ["7"] * 9, [None] * 9)  # fmt: skip
+        # in this process: no call after the raising one; in workers: one timeout, not four
+        assert time.monotonic() - start < (0.5 if not workers else 3.0)
+        assert score_batch(fn, ["gsm"] * 2, ["7", "8"], ["7", "7"], [None] * 2)[0] == [1.0, 0.0]
+    finally:
+        fn.close()
+
+
+GROUP_SIGNALLED = """
+import signal, sys
+sys.path.insert(0, {root!r})
+import reward
+signal.signal(signal.SIGTERM, lambda *a: print("noted", flush=True))  # as the trainer does
+fn = reward.RewardFunction({path!r}, workers=2)
+print(" ".join(str(p.pid) for p in fn.workers), flush=True)
+sys.stdin.readline()
+print(reward.score_batch(fn, ["a"] * 2, ["7", "8"], ["7", "7"], [None] * 2)[0], flush=True)
+"""
+
+
+def test_reward_workers_outlive_a_sigterm_to_the_process_group(stalling):
+    """`timeout`, torchrun and Slurm signal the trainer's whole process group: the workers are in
+    a session of their own, so the SIGTERM is the trainer's to handle; they score on."""
+    import pathlib
+    import signal
+    import subprocess
+    import sys
+
+    code = GROUP_SIGNALLED.format(
+        root=str(pathlib.Path(reward.__file__).parent), path=str(stalling)
+    )
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a group of its own to signal, as `timeout` makes
+    )
+    try:
+        pids = [int(p) for p in trainer.stdout.readline().split()]
+        os.killpg(trainer.pid, signal.SIGTERM)
+        assert trainer.stdout.readline() == "noted\n"
+        time.sleep(0.5)
+        assert all(alive(p) for p in pids)
+        trainer.stdin.write("go\n")
+        trainer.stdin.flush()
+        assert trainer.stdout.readline() == "[1.0, 0.0]\n"
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not any(alive(p) for p in pids)
 
 
