@@ -113,6 +113,24 @@ def save_checkpoint(
     return final
 
 
+# how torch's writers report a full disk without ENOSPC
+FULL_DISK = ("No space left", "unexpected pos", "file write failed")
+
+
+def causes(error, most=16):
+    """`error`, its causes and contexts, and the per-rank failures a CheckpointException holds."""
+    out, todo = [], [error]
+    while todo and len(out) < most:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or any(e is seen for seen in out):
+            continue
+        out.append(e)
+        todo += [e.__cause__, e.__context__]
+        for failure in getattr(e, "failures", {}).values():  # dcp: rank -> (exception, trace)
+            todo += list(failure) if isinstance(failure, (list, tuple)) else [failure]
+    return out
+
+
 @contextlib.contextmanager
 def _writing(tmp, root, what):
     """A write into the folder `tmp` that becomes `what`: when it fails, the half-written folder
@@ -120,18 +138,16 @@ def _writing(tmp, root, what):
     704 vs 598" or "file write failed"), and what to do."""
     try:
         yield
-    except Exception as error:
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
+    # the checkpoint library's own error is a BaseException, not an Exception
+    except (Exception, dcp.api.CheckpointException) as error:
+        try:  # measured before the half-written folder goes, which frees what it took
             free = shutil.disk_usage(root).free
         except OSError:
             free = None
-        chain, e = [], error
-        while e is not None and len(chain) < 8:
-            chain.append(e)
-            e = e.__cause__ or e.__context__
+        shutil.rmtree(tmp, ignore_errors=True)
+        chain = causes(error)
         full = any(getattr(e, "errno", None) == errno.ENOSPC for e in chain)
-        full = full or any("No space left" in str(e) for e in chain)
+        full = full or any(hint in str(e) for e in chain for hint in FULL_DISK)
         full = full or (free is not None and free < 256 * 2**20)
         why = (
             f"the disk holding {root} is full ({free / 2**20:.0f} MiB free)"
@@ -186,6 +202,15 @@ def load_checkpoint(
     for k, s in (schedulers or {}).items():
         s.load_state_dict(extra["schedulers"][k])
     return trainer_state
+
+
+def keep_earlier(path):
+    """A fresh run in a folder that holds an earlier run's `path` (its final policy): kept as
+    `path.N` (the first free N), as metrics.jsonl is, not overwritten by this run's."""
+    if os.path.exists(path):
+        n = next(i for i in range(1, 10**6) if not os.path.exists(f"{path}.{i}"))
+        os.replace(path, f"{path}.{n}")
+        print(f"{path} held an earlier run's final policy: kept as {path}.{n}", flush=True)
 
 
 def export_hf(

@@ -5,6 +5,7 @@ that fails ends every rank within seconds, its error first in torchrun's summary
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -35,6 +36,8 @@ class StopRequest:
         # where Python runs signal handlers
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._note)
+            if grace is not None:
+                watchdog(grace + WATCHDOG_AFTER_S)
 
     def _note(self, signum, frame):
         if not self.signalled and self.grace is not None:
@@ -65,6 +68,51 @@ class StopRequest:
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+# how long after --stop_grace_s the watchdog ends a run whose interpreter is stuck (the deadline's
+# thread, which says where the run was, goes first when Python still runs)
+WATCHDOG_AFTER_S = 5.0
+
+WATCHDOG = r"""
+import os, select, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+pid, wait = int(sys.argv[1]), float(sys.argv[2])
+while True:  # the numbers of the signals the trainer caught; nothing: it has ended
+    got = os.read(0, 512)
+    if not got:
+        sys.exit(0)
+    if signal.SIGTERM in got:
+        break
+deadline = time.monotonic() + wait
+while (left := deadline - time.monotonic()) > 0:
+    if select.select([0], [], [], left)[0] and not os.read(0, 512):
+        sys.exit(0)  # it ended in time
+print(f"[watchdog] process {pid} is still running {wait:g} s after its SIGTERM and does not "
+      "respond (its interpreter is stuck, in C code that holds it): killed. The same command "
+      "with --resume_mode auto continues from the last checkpoint", file=sys.stderr, flush=True)
+os.kill(pid, signal.SIGKILL)
+"""
+
+
+def watchdog(seconds):
+    """A small process that kills this one `seconds` after its first SIGTERM when it is still
+    running: the stop's deadline even when this interpreter cannot run its own (a reward function
+    stuck in C code that holds the interpreter lock, such as a regular expression that
+    backtracks for hours, keeps Python's signal handlers and threads from running). It learns of
+    the signal from the signal's C-level handler, which writes the signal's number to a pipe
+    (`signal.set_wakeup_fd`) without the interpreter, and of this process's end from the pipe
+    closing; it ignores the group signals that reach it, in a session of its own."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    subprocess.Popen(
+        [sys.executable, "-c", WATCHDOG, str(os.getpid()), str(seconds)],
+        stdin=read,
+        start_new_session=True,
+    )
+    os.close(read)
 
 
 FAILED = "run/failed"  # the key in the process group's store that the first failed rank writes

@@ -263,7 +263,11 @@ class RunArgs:
     total_epochs: int = flag(15, "passes over the training prompts", ge=1)
     total_training_steps: int | None = flag(None, "overrides total_epochs", ge=1)
     save_freq: int = flag(
-        -1, "checkpoint every N steps, the last, on a stop (-1: never)", ge=1, also=(-1,)
+        -1,
+        "checkpoint every N steps and the last (-1: none of them); a SIGTERM's stop is always "
+        "checkpointed",
+        ge=1,
+        also=(-1,),
     )
     test_freq: int = flag(10, "validate every N steps (-1: never)", ge=1, also=(-1,))
     # verl's default is True; its GSM8K tutorials (PPO and GRPO) pass False, and so do we

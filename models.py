@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
+import flags
 import ops
 from sharding import apply_fsdp2
 
@@ -84,17 +85,29 @@ def load(spec, device, args, trainable=None, layers=None):
     initialised copy with that many decoder layers."""
     trainable = spec.trained if trainable is None else trainable
     kw = dict(dtype=torch.float32, attn_implementation=attention(args))
-    if spec.value:
-        config = AutoConfig.from_pretrained(spec.path, num_labels=1)
-        # an attribute: from_pretrained drops a keyword its config class lacks
-        config.classifier_dropout = 0.0
-        cls = AutoModelForTokenClassification
-    else:
-        config, cls = AutoConfig.from_pretrained(spec.path), AutoModelForCausalLM
-    if layers is None:
-        model = cls.from_pretrained(spec.path, config=config, **kw)
-    else:
-        model = cls.from_config(few_layers(config, layers), **kw)
+    try:
+        if spec.value:
+            config = AutoConfig.from_pretrained(spec.path, num_labels=1)
+            # an attribute: from_pretrained drops a keyword its config class lacks
+            config.classifier_dropout = 0.0
+            cls = AutoModelForTokenClassification
+        else:
+            config, cls = AutoConfig.from_pretrained(spec.path), AutoModelForCausalLM
+        if layers is None:
+            model = cls.from_pretrained(spec.path, config=config, **kw)
+        else:
+            model = cls.from_config(few_layers(config, layers), **kw)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:  # a damaged or missing file: the library's message names neither
+        flag = " (--model)" if spec.path == args.model else ""
+        why = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        flags.need(
+            False,
+            f"the {spec.role} model {spec.path}{flag} cannot be loaded: {type(error).__name__}: "
+            f"{why}. Its files may be damaged or incomplete: download or export it again, or give "
+            "another folder",
+        )
     offload = spec.on(args, "param_offload")
     if device.type == "cuda" and not offload:
         model.to(device)

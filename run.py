@@ -28,6 +28,8 @@ import os
 import random
 import socket
 import sys
+import traceback
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
@@ -306,6 +308,8 @@ class Run:
         self.engine = engine
         self.logger = Logger(args, args.default_local_dir, self.flags())
         self.logger.resume(self.step, self.last_row)
+        if self.step == 0 and self.rank == 0 and not args.val_only:  # afresh: keep what was here
+            checkpoint.keep_earlier(os.path.join(args.default_local_dir, "hf_model"))
         if args.val_only:
             return
         if args.val_before_train and self.val is not None and self.step == 0:
@@ -391,7 +395,8 @@ class Run:
                 metrics |= self.validate(step)
             # a SIGTERM during validation: this step, too
             stopping = not last_step and self.stop.agreed(device)
-        if args.save_freq > 0 and (step % args.save_freq == 0 or last_step or stopping):
+        # a stop is checkpointed whatever --save_freq says: a SIGTERM never loses the run
+        if stopping or (args.save_freq > 0 and (step % args.save_freq == 0 or last_step)):
             with Timer(metrics, device)("save_checkpoint"):
                 checkpoint.save_checkpoint(
                     args.default_local_dir,
@@ -427,8 +432,6 @@ class Run:
                 how = (
                     f"checkpointed in {args.default_local_dir}; the same command with "
                     "--resume_mode auto continues from there"
-                    if args.save_freq > 0
-                    else f"not checkpointed (--save_freq {args.save_freq}: never)"
                 )
                 print(
                     f"stopped by SIGTERM after step {step} of {self.total_steps}, {how}", flush=True
@@ -515,6 +518,7 @@ def start(args, check_args, declare_models):
         plan = plan_memory(run, gpus, args.max_prompt_length)
         if rank == 0:
             print(memory.plan_message(plan, args, specs), flush=True)
+        finished.set()  # a clean exit, not a run ended early
         raise SystemExit(0 if plan.fits else 1)
     need(
         gpus == world,
@@ -557,6 +561,17 @@ def start(args, check_args, declare_models):
         else None
     )
     run.train = None if args.val_only else load_rl_dataset(args.train_files.split(","), **data_kw)
+    if args.custom_reward_function_path is None:  # the built-in reward: a scorer per source
+        for flag, data in (("train_files", run.train), ("val_files", run.val)):
+            sources = Counter(e.data_source for e in data.examples) if data else {}
+            for source, n in sources.items():
+                need(
+                    source in reward.SCORERS,
+                    f"--{flag} {getattr(args, flag)}: data_source {source!r} ({n} prompts) has no "
+                    f"scorer in reward.py (known: {', '.join(sorted(reward.SCORERS))}); give a "
+                    "reward function for it with --custom_reward_function_path, or add a scorer "
+                    "to reward.SCORERS",
+                )
     G = args.gen_batch_size or args.train_batch_size  # prompts per generation round
     if run.train is not None and len(run.train) < max(args.train_batch_size, G):
         name = "--gen_batch_size" if G > args.train_batch_size else "--train_batch_size"
@@ -602,12 +617,21 @@ def launch(main, Args):
     try:
         main(parsed)
     except BaseException as error:
+        if isinstance(error, SystemExit) and error.code in (0, None) and not finished.is_set():
+            # sys.exit() from somewhere the run did not mean to end (user code, a library): not
+            # a finished run, so not status 0
+            frame = traceback.extract_tb(error.__traceback__)[-1]
+            error = SystemExit(
+                f"{os.path.basename(sys.argv[0])}: the run ended by sys.exit({error.code!r}) at "
+                f"{frame.filename}:{frame.lineno} before it finished; the same command with "
+                "--resume_mode auto continues from the last checkpoint"
+            )
         if isinstance(error, SystemExit) and error.code in (0, None):  # --print_plan: done
-            finished.set()
+            pass
         elif dist.is_initialized() and dist.get_world_size() > 1:
             fail(error)  # ends the process
         reward.close_all()
-        raise
+        raise error from None
     finished.set()
     reward.close_all()
     if dist.is_initialized():

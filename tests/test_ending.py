@@ -128,3 +128,60 @@ def test_sigterm_ends_a_run_stuck_in_a_reward_call(assets):
         f"calling the reward function compute_score in {path} on sample 0"
     ) in output, output[-6000:]
     assert "--resume_mode auto continues from the last checkpoint" in output
+
+
+def test_sys_exit_in_user_code_is_not_a_finished_run(assets):
+    """sys.exit(0) where the run did not mean to end (here: a reward file that calls it when
+    imported) ends it with status 1, saying where, never with status 0."""
+    path = assets["tmp"] / "exits_on_import.py"
+    path.write_text(
+        "import sys\nsys.exit(0)\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 0.0\n"
+    )
+    out = assets["tmp"] / "exits_on_import_run"
+    args = flags(assets, out, "hf", 2, "disable", "--custom_reward_function_path", str(path))
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    proc = subprocess.run(
+        [sys.executable, "train_grpo.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"the run ended by sys.exit(0) at {path}:2 before it finished" in proc.stderr
+
+
+def test_the_stop_deadline_holds_when_the_interpreter_is_stuck_in_c_code(assets):
+    """A reward call stuck in C code that keeps the interpreter lock (a regular expression that
+    backtracks for hours), then a SIGTERM: the deadline's thread cannot run, so the watchdog
+    process ends the run WATCHDOG_AFTER_S after --stop_grace_s."""
+    from ending import WATCHDOG_AFTER_S
+
+    stuck = first_call('import re; re.match(r"(a+)+$", "a" * 40 + "!")')
+    path = reward_file(assets, "backtracks", stuck)
+    out = assets["tmp"] / "backtracks_run"
+    args = flags(assets, out, "hf", 2, "disable", "--custom_reward_function_path", str(path))
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    proc = subprocess.Popen(
+        [sys.executable, "train_grpo.py", *args, "--stop_grace_s", "2", "--test_freq", "-1"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while not os.path.exists(f"{path}.mark") and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(1.0)  # well inside the match
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    took = time.monotonic() - signalled
+    assert 2 + WATCHDOG_AFTER_S - 1 < took < 2 + WATCHDOG_AFTER_S + 5, output[-6000:]
+    assert proc.returncode == -signal.SIGKILL, output[-6000:]
+    assert f"[watchdog] process {proc.pid} is still running 7 s after its SIGTERM" in output

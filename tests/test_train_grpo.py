@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -534,15 +535,13 @@ def stop_by_sigterm_then_resume(script, out, make_flags):
 
 
 def test_sigterm_checkpoints_the_step_in_progress_and_resume_continues(assets):
-    """SIGTERM during a run that checkpoints every 10 steps loses no step
-    (stop_by_sigterm_then_resume)."""
+    """SIGTERM during a run with GRPO's default --save_freq -1 (no checkpoint of its own) loses no
+    step: the stop is checkpointed all the same (stop_by_sigterm_then_resume)."""
     out = assets["tmp"] / "run_sigterm"
     stop_by_sigterm_then_resume(
         "train_grpo.py",
         out,
-        lambda steps, resume: flags(
-            assets, out, "hf", steps, resume, "--save_freq", "10", "--test_freq", "1"
-        ),
+        lambda steps, resume: flags(assets, out, "hf", steps, resume, "--test_freq", "1"),
     )
 
 
@@ -719,6 +718,7 @@ BAD_INPUT = [
     "train_file_is_csv",
     "model_without_config",
     "checkpoints_under_a_file",
+    "val_source_without_scorer",
 ]
 
 
@@ -762,6 +762,16 @@ def bad_input(assets, case):
         shutil.copytree(assets["model"], bad, ignore=shutil.ignore_patterns("config.json"))
         args[args.index("--model") + 1] = str(bad)
         expected = [f"--model {bad} has no config.json"]
+    elif case == "val_source_without_scorer":  # the built-in reward; found before any step
+        i = args.index("--custom_reward_function_path")
+        del args[i : i + 2]
+        bad = assets["tmp"] / "unknown_source.parquet"
+        table = pq.read_table(assets["data"] / "test.parquet")
+        sources = pa.array(["my/puzzles"] * table.num_rows)
+        pq.write_table(table.set_column(table.column_names.index("data_source"), "data_source",
+                                        sources), bad)  # fmt: skip
+        args[args.index("--val_files") + 1] = str(bad)
+        expected = [f"--val_files {bad}: data_source 'my/puzzles' (8 prompts) has no scorer"]
     elif case == "checkpoints_under_a_file":
         args[args.index("--default_local_dir") + 1] = str(assets["reward"] / "run")
         expected = [f"{assets['reward']} is a file, not a folder"]
