@@ -6,7 +6,7 @@ REQ     := requirements-$(GPU).txt
 STAMP   := .venv/.installed-$(GPU)
 NPROC   ?= 1
 
-.PHONY: install lint test mutate mutate-all test-gpu bench bench-engine bench-profile bench-reward demo plot lock-cpu data clean
+.PHONY: install lint test test-quick mutate mutate-all test-gpu bench bench-engine bench-profile bench-reward demo plot lock-cpu data clean
 
 install: $(STAMP)
 
@@ -32,6 +32,14 @@ lint: install
 TEST_WORKERS ?= 2
 test: install lint
 	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
+
+# The math (both scripts', by hand), the memory planner, the flags, rewards, batches, data and checkpoints:
+# under a minute on 2 cores, for anyone changing one function. `make test` runs these and the rest.
+QUICK = tests/test_shared_math.py tests/test_grpo_math.py tests/test_ppo_math.py tests/test_memory.py \
+        tests/test_flags.py tests/test_batches.py tests/test_reward.py tests/test_checkpoint.py \
+        tests/test_run.py tests/test_data.py
+test-quick: install
+	$(PY) -m pytest $(QUICK) -q -n $(TEST_WORKERS)
 
 # Realistic one-line bugs (a sign, a missing factor, a count on one rank, a tensor the push forgets),
 # each made alone in a copy of the tree, and the tests that must fail on it (tests/mutations.py):

@@ -409,9 +409,6 @@ def batch_metrics(batch, old_log_probs, gen_seconds):
         ),
         "response_length/empty": float((lengths == 0).sum().item()),
         "prompt_length/mean": prompt_tokens / len(lengths),
-        "critic/score_flexible/mean": float(np.nanmean([f for g in groups for f in g["flexible"]]))
-        if any(g["example"].data_source in reward.SCORERS for g in groups)
-        else float("nan"),
         "rollout/logprob_gap_mean": logprob_gap(
             old_log_probs[batch.checked],
             batch.rollout_log_probs,
@@ -420,6 +417,9 @@ def batch_metrics(batch, old_log_probs, gen_seconds):
         "reward/errors": float(batch.counts["n_errors"]),
         "perf/gen_tokens_per_s": batch.counts["gen_tokens"] / gen_seconds,
     }
+    if any(g["example"].data_source in reward.SCORERS for g in groups):  # a flexible scorer too
+        flexible = [f for g in groups for f in g["flexible"]]
+        metrics["critic/score_flexible/mean"] = float(np.nanmean(flexible))
     for key in {k for g in groups for k in g["extras"]}:
         metrics[f"critic/score/{key}/mean"] = float(
             np.mean([x for g in groups for x in g["extras"].get(key, [])])

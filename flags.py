@@ -5,27 +5,33 @@ range); `parse(Args)` reads the command line into it, and `check_args` holds the
 their ranges and to each other at start-up, naming the flag and what to do.
 """
 
+import argparse
 import importlib.util
 import math
 import operator
 import os
 import sys
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from transformers import HfArgumentParser
 
 
-def flag(default, help, *, gt=None, ge=None, lt=None, le=None, also=()):
-    """A field of an Args dataclass: the flag's default, its --help text and, for a number, the
-    range `check_ranges` holds it to at start-up (gt, ge, lt, le), with `also` the values outside
-    it that mean something (-1: never, off, all). A number with no bounds must still be finite."""
+def flag(default, help, *, gt=None, ge=None, lt=None, le=None, also=(), doc=None):
+    """A field of an Args dataclass: the flag's default, its --help text (a line or two; `doc`, a
+    longer text with the measurements behind it, goes to docs/flags.md instead) and, for a number,
+    the range `check_ranges` holds it to at start-up (gt, ge, lt, le), with `also` the values
+    outside it that mean something (-1: never, off, all). A number with no bounds must still be
+    finite."""
     f = field(default=default, metadata={"help": help})  # the parser takes metadata as its kwargs
     bounds = {k: v for k, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le)) if v is not None}
     RANGES[f] = bounds, tuple(also)
+    DOCS[f] = doc or help
     return f
 
 
 RANGES = {}  # each flag's (bounds, values also allowed), by its dataclass field
+DOCS = {}  # each flag's text in docs/flags.md, by its dataclass field
 
 
 BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, ">="), "lt": (operator.lt, "<"),
@@ -88,16 +94,24 @@ class RunArgs:
     )
     engines_per_gpu: int = flag(
         1,
-        "vLLM engines per GPU, each in a process of its own decoding a share of the sequences: a "
-        "small model's generation is bound by vLLM's host work, which K processes share "
-        "(docs/benchmarks.md)",
+        "vLLM engines per GPU, each in a process of its own decoding a share of the sequences (a "
+        "small model's generation is bound by vLLM's host work)",
+        doc=(
+            "vLLM engines per GPU, each in a process of its own decoding a share of the "
+            "sequences: a small model's generation is bound by vLLM's host work, which K "
+            "processes share (docs/benchmarks.md)"
+        ),
         ge=1,
     )
     rollout_compile: bool = flag(
         False,
-        "run vLLM's model through torch.compile (vLLM's default); off: CUDA graphs of vLLM's "
-        "uncompiled forward for every decoding batch, which on an H200 was ready 31 s sooner and "
-        "generated faster (docs/benchmarks.md)",
+        "run vLLM's model through torch.compile (vLLM's default); off: CUDA graphs of its "
+        "uncompiled forward, ready sooner",
+        doc=(
+            "run vLLM's model through torch.compile (vLLM's default); off: CUDA graphs of vLLM's "
+            "uncompiled forward for every decoding batch, which on an H200 was ready 31 s sooner "
+            "and generated faster (docs/benchmarks.md)"
+        ),
     )
     # samples and mini-batches (a script re-declares rollout_n for its reference run)
     rollout_n: int = flag(5, "responses per prompt (GRPO's group size)", ge=1)
@@ -108,8 +122,12 @@ class RunArgs:
     log_prob_micro_batch_size_per_gpu: int = flag(8, "sequences per log-prob forward", ge=1)
     use_dynamic_bsz: bool | None = flag(
         None,
-        "micro-batches by token budget (the *_max_token_len_per_gpu flags) instead of sequence "
-        "count; default: on a GPU unless a *_micro_batch_size_per_gpu flag is given",
+        "micro-batches by token budget (*_max_token_len_per_gpu) instead of sequence count; "
+        "default: on a GPU, unless a *_micro_batch_size_per_gpu flag is given",
+        doc=(
+            "micro-batches by token budget (the *_max_token_len_per_gpu flags) instead of "
+            "sequence count; default: on a GPU unless a *_micro_batch_size_per_gpu flag is given"
+        ),
     )
     ppo_max_token_len_per_gpu: int | None = flag(
         None, "tokens per forward/backward; default: the memory planner's (16384 on a CPU)", ge=1
@@ -153,13 +171,18 @@ class RunArgs:
     # the engine's sampling distribution against the trainer's
     rollout_is: str | None = flag(
         None,
-        "token | sequence: weight each token's loss by pi_old / pi_rollout, the trainer's over the "
-        "engine's probability of the sampled tokens, truncated at --rollout_is_threshold "
-        "(truncated importance sampling, verl's algorithm.rollout_correction.rollout_is): corrects "
-        "for the engine's numerics and, with GRPO's --one_step_off_policy, for the update between "
-        "the weights that sampled and the trainer's. Asks the engine for the log-probs of every "
-        "response. With --top_p or --top_k on, the engine's are of the truncated distribution, so "
-        "the weights sit below 1",
+        "token | sequence: weight each token's loss by pi_old / pi_rollout, truncated at "
+        "--rollout_is_threshold (truncated importance sampling)",
+        doc=(
+            "token | sequence: weight each token's loss by pi_old / pi_rollout, the trainer's "
+            "over the engine's probability of the sampled tokens, truncated at "
+            "--rollout_is_threshold (truncated importance sampling, verl's "
+            "algorithm.rollout_correction.rollout_is): corrects for the engine's numerics and, "
+            "with GRPO's --one_step_off_policy, for the update between the weights that sampled "
+            "and the trainer's. Asks the engine for the log-probs of every response. With --top_p "
+            "or --top_k on, the engine's are of the truncated distribution, so the weights sit "
+            "below 1"
+        ),
     )
     rollout_is_threshold: float = flag(2.0, "rollout_is: the weights' upper bound", ge=1)
     # a step's batch (batches.py): DAPO's dynamic sampling, GRESO's skip, one-step off-policy
@@ -178,14 +201,23 @@ class RunArgs:
     filter_groups_from_step: int = flag(
         1,
         "filter_groups: the first step that filters; the steps before it train on one batch as "
-        "generated (while the reward is still 0 almost everywhere, too few groups vary to fill a "
-        "batch)",
+        "generated",
+        doc=(
+            "filter_groups: the first step that filters; the steps before it train on one batch "
+            "as generated (while the reward is still 0 almost everywhere, too few groups vary to "
+            "fill a batch)"
+        ),
         ge=1,
     )
     skip_all_equal: bool = flag(
         False,
-        "filter_groups: GRESO's selective rollout: on filtering steps, skip before generating a "
-        "prompt whose latest group scored all-equal (the filter would likely drop its group again)",
+        "filter_groups: GRESO's selective rollout, skipping a prompt whose latest group scored "
+        "all-equal",
+        doc=(
+            "filter_groups: GRESO's selective rollout: on filtering steps, skip before generating "
+            "a prompt whose latest group scored all-equal (the filter would likely drop its group "
+            "again)"
+        ),
     )
     skip_explore_prob: float = flag(
         0.5,
@@ -196,12 +228,16 @@ class RunArgs:
     )
     one_step_off_policy: bool = flag(
         False,
-        "generate the next step's batch in a second thread while this step trains, with the "
-        "weights from before this step's update (one-step off-policy, as verl's recipe of that "
-        "name). The engine stays awake: give it less memory (--gpu_memory_utilization 0.3 on an "
-        "H200). Measured on one H200 with a 0.5B model: steps 7-13% shorter (the two share the GPU "
-        "and the Python interpreter, so each ran slower), and in one learning run lower accuracy "
-        "by step and by minute (docs/benchmarks.md)",
+        "generate the next step's batch in a second thread while this step trains (one-step "
+        "off-policy); the engine stays awake, so give it less memory",
+        doc=(
+            "generate the next step's batch in a second thread while this step trains, with the "
+            "weights from before this step's update (one-step off-policy, as verl's recipe of "
+            "that name). The engine stays awake: give it less memory (--gpu_memory_utilization "
+            "0.3 on an H200). Measured on one H200 with a 0.5B model: steps 7-13% shorter (the "
+            "two share the GPU and the Python interpreter, so each ran slower), and in one "
+            "learning run lower accuracy by step and by minute (docs/benchmarks.md)"
+        ),
     )
     # memory
     enable_gradient_checkpointing: bool = flag(False, "recompute activations")
@@ -220,25 +256,38 @@ class RunArgs:
     )
     use_fused_kernels: bool = flag(
         False,
-        "the update's log-probs and entropy from the output layer chunk by chunk, never the whole "
-        "(tokens, vocabulary) logits: less memory for one more matmul of the output layer (verl's "
-        "flag; here for the passes with a gradient only)",
+        "the update's log-probs and entropy from the output layer chunk by chunk, never the "
+        "whole logits: less memory",
+        doc=(
+            "the update's log-probs and entropy from the output layer chunk by chunk, never the "
+            "whole (tokens, vocabulary) logits: less memory for one more matmul of the output "
+            "layer (verl's flag; here for the passes with a gradient only)"
+        ),
     )
     compile_update: bool | None = flag(
         None,
-        "compile the decoder layers in the updates (the actor's, and PPO's critic's; forward and "
-        "backward) too, where --compile_layers compiles (--use_torch_compile already covers the "
-        "actor's log-prob math): pays off with large micro-batches (--ppo_max_token_len_per_gpu "
-        "49152 on an H200), costs compiling in step 1 (about 30 s for GRPO's actor on a fresh "
-        "H200, docs/benchmarks.md); default: on with token budgets on a GPU",
+        "compile the decoder layers in the updates too (forward and backward): pays with large "
+        "micro-batches; default: on with token budgets on a GPU",
+        doc=(
+            "compile the decoder layers in the updates (the actor's, and PPO's critic's; forward "
+            "and backward) too, where --compile_layers compiles (--use_torch_compile already "
+            "covers the actor's log-prob math): pays off with large micro-batches "
+            "(--ppo_max_token_len_per_gpu 49152 on an H200), costs compiling in step 1 (about 30 "
+            "s for GRPO's actor on a fresh H200, docs/benchmarks.md); default: on with token "
+            "budgets on a GPU"
+        ),
     )
     warm_compile_caches: bool | None = flag(
         None,
-        "with the in-process engine: a helper process compiles the step's passes on one-layer "
-        "copies of the models while the models load, the engine starts and the first step runs "
-        "eager (at token budgets planned for eager passes); the trainer then loads them from "
-        "torch's compile caches (docs/performance.md); default: on a GPU with the in-process "
-        "engine where the passes compile",
+        "a helper process compiles the step's passes while the models load, the first step "
+        "running eager; default: on a GPU with the in-process engine",
+        doc=(
+            "with the in-process engine: a helper process compiles the step's passes on one-layer "
+            "copies of the models while the models load, the engine starts and the first step "
+            "runs eager (at token budgets planned for eager passes); the trainer then loads them "
+            "from torch's compile caches (docs/performance.md); default: on a GPU with the "
+            "in-process engine where the passes compile"
+        ),
     )
     # reward
     custom_reward_function_path: str | None = flag(None, "a .py file")
@@ -275,9 +324,13 @@ class RunArgs:
     val_only: bool = flag(False, "only evaluate --model (or the checkpoint) and exit")
     stop_grace_s: float = flag(
         25.0,
-        "after a SIGTERM, the seconds the step in progress has to reach its checkpoint; past them "
-        "the run ends at once, naming the phase it is in (torchrun and Slurm kill 30 s after their "
-        "SIGTERM)",
+        "after a SIGTERM, the seconds the step in progress has to reach its checkpoint; past "
+        "them the run ends, naming the phase it is in",
+        doc=(
+            "after a SIGTERM, the seconds the step in progress has to reach its checkpoint; past "
+            "them the run ends at once, naming the phase it is in (torchrun and Slurm kill 30 s "
+            "after their SIGTERM)"
+        ),
         gt=0,
     )
     val_n: int = flag(1, "val_only: samples per prompt for pass@k (T=val_temperature)", ge=1)
@@ -296,8 +349,128 @@ class RunArgs:
     )
     logger: str = flag("console,jsonl", "comma list of console, jsonl, wandb, tensorboard")
     project_name: str = flag("grpo_gsm8k", "for wandb / tensorboard / folders")
-    experiment_name: str = flag("qwen2.5_0.5b", "for wandb / tensorboard / folders")
+    experiment_name: str | None = flag(
+        None, "for wandb / tensorboard / folders; default: the model's and the data's names"
+    )
     seed: int = flag(1, "model init and data order; sampling uses seed + group", ge=0)
+
+
+ARA = "actor_rollout_ref"
+# each flag's key in verl's config (docs/flags.md is written from it, and the command line takes
+# the keys: `verl_flags`); None: ours, verl has none
+VERL = {
+    "model": f"{ARA}.model.path",
+    "train_files": "data.train_files",
+    "val_files": "data.val_files",
+    "train_batch_size": "data.train_batch_size",
+    "max_prompt_length": "data.max_prompt_length",
+    "max_response_length": "data.max_response_length",
+    "filter_overlong_prompts": "data.filter_overlong_prompts",
+    "truncation": "data.truncation",
+    "rollout_engine": f"{ARA}.rollout.name",
+    "temperature": f"{ARA}.rollout.temperature",
+    "top_p": f"{ARA}.rollout.top_p",
+    "top_k": f"{ARA}.rollout.top_k",
+    "tensor_model_parallel_size": f"{ARA}.rollout.tensor_model_parallel_size",
+    "logprob_check_prompts": None,
+    "gpu_memory_utilization": f"{ARA}.rollout.gpu_memory_utilization",
+    "max_num_seqs": f"{ARA}.rollout.max_num_seqs",
+    "engines_per_gpu": None,
+    "rollout_compile": f"{ARA}.rollout.enforce_eager (inverted)",
+    "rollout_n": f"{ARA}.rollout.n",
+    "ppo_mini_batch_size": f"{ARA}.actor.ppo_mini_batch_size",
+    "ppo_epochs": f"{ARA}.actor.ppo_epochs",
+    "ppo_micro_batch_size_per_gpu": f"{ARA}.actor.ppo_micro_batch_size_per_gpu",
+    "log_prob_micro_batch_size_per_gpu": f"{ARA}.rollout/ref.log_prob_micro_batch_size_per_gpu",
+    "use_dynamic_bsz": f"{ARA}.actor.use_dynamic_bsz",
+    "ppo_max_token_len_per_gpu": f"{ARA}.actor.ppo_max_token_len_per_gpu",
+    "log_prob_max_token_len_per_gpu": f"{ARA}.rollout/ref.log_prob_max_token_len_per_gpu",
+    "print_plan": None,
+    "gpu_memory_gib": None,
+    "n_gpus_per_node": "trainer.n_gpus_per_node",
+    "nnodes": "trainer.nnodes",
+    "lr_warmup_steps": f"{ARA}.actor.optim.lr_warmup_steps",
+    "lr_warmup_steps_ratio": f"{ARA}.actor.optim.lr_warmup_steps_ratio",
+    "lr_scheduler_type": f"{ARA}.actor.optim.warmup_style",
+    "min_lr_ratio": f"{ARA}.actor.optim.min_lr_ratio",
+    "lr_decay_steps_ratio": None,
+    "rollout_is": "algorithm.rollout_correction.rollout_is",
+    "rollout_is_threshold": "algorithm.rollout_correction.rollout_is_threshold",
+    "filter_groups": "algorithm.filter_groups.enable",
+    "max_num_gen_batches": "algorithm.filter_groups.max_num_gen_batches",
+    "gen_batch_size": "data.gen_batch_size",
+    "filter_groups_from_step": None,
+    "skip_all_equal": None,
+    "skip_explore_prob": None,
+    "one_step_off_policy": "recipe/one_step_off_policy (on separate GPUs there)",
+    "enable_gradient_checkpointing": f"{ARA}.model.enable_gradient_checkpointing",
+    "param_offload": f"{ARA}.actor.fsdp_config.param_offload",
+    "optimizer_offload": f"{ARA}.actor.fsdp_config.optimizer_offload",
+    "ref_param_offload": f"{ARA}.ref.fsdp_config.param_offload",
+    "use_remove_padding": f"{ARA}.model.use_remove_padding",
+    "use_torch_compile": f"{ARA}.actor.use_torch_compile",
+    "compile_layers": None,
+    "use_fused_kernels": f"{ARA}.model.use_fused_kernels",
+    "compile_update": None,
+    "warm_compile_caches": None,
+    "custom_reward_function_path": "reward.custom_reward_function.path",
+    "custom_reward_function_name": "reward.custom_reward_function.name",
+    "reward_errors": None,
+    "reward_workers": None,
+    "reward_timeout": None,
+    "total_epochs": "trainer.total_epochs",
+    "total_training_steps": "trainer.total_training_steps",
+    "save_freq": "trainer.save_freq",
+    "test_freq": "trainer.test_freq",
+    "val_before_train": "trainer.val_before_train",
+    "val_only": "trainer.val_only",
+    "stop_grace_s": None,
+    "val_n": f"{ARA}.rollout.val_kwargs.n",
+    "val_temperature": f"{ARA}.rollout.val_kwargs.temperature",
+    "max_val_samples": None,
+    "resume_mode": "trainer.resume_mode",
+    "default_local_dir": "trainer.default_local_dir",
+    "keep_last_checkpoints": "trainer.max_actor_ckpt_to_keep",
+    "export_final": None,
+    "rollout_data_dir": "trainer.rollout_data_dir",
+    "validation_data_dir": "trainer.validation_data_dir",
+    "logger": "trainer.logger",
+    "project_name": "trainer.project_name",
+    "experiment_name": "trainer.experiment_name",
+    "seed": "data.seed / actor_rollout_ref.rollout.seed",
+    "actor_lr": f"{ARA}.actor.optim.lr",
+    "weight_decay": f"{ARA}.actor.optim.weight_decay",
+    "grad_clip": f"{ARA}.actor.grad_clip",
+    "clip_ratio_low": f"{ARA}.actor.clip_ratio_low",
+    "clip_ratio_high": f"{ARA}.actor.clip_ratio_high",
+    "clip_ratio_c": f"{ARA}.actor.clip_ratio_c",
+    "loss_agg_mode": f"{ARA}.actor.loss_agg_mode",
+    "norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std_in_grpo",
+    "entropy_coeff": f"{ARA}.actor.entropy_coeff",
+    "use_kl_loss": f"{ARA}.actor.use_kl_loss",
+    "kl_loss_coef": f"{ARA}.actor.kl_loss_coef",
+    "kl_loss_type": f"{ARA}.actor.kl_loss_type",
+    "use_kl_in_reward": "algorithm.use_kl_in_reward",
+    "kl_coef": "algorithm.kl_ctrl.kl_coef",
+    "kl_penalty": "algorithm.kl_penalty",
+    "kl_ctrl_type": "algorithm.kl_ctrl.type",
+    "kl_target": "algorithm.kl_ctrl.target_kl",
+    "kl_horizon": "algorithm.kl_ctrl.horizon",
+    "gamma": "algorithm.gamma",
+    "lam": "algorithm.lam",
+    "critic_model": "critic.model.path",
+    "critic_lr": "critic.optim.lr",
+    "critic_weight_decay": "critic.optim.weight_decay",
+    "critic_warmup": "trainer.critic_warmup",
+    "critic_ppo_micro_batch_size_per_gpu": "critic.ppo_micro_batch_size_per_gpu",
+    "critic_ppo_max_token_len_per_gpu": "critic.ppo_max_token_len_per_gpu",
+    "critic_grad_clip": "critic.grad_clip",
+    "cliprange_value": "critic.cliprange_value",
+    "vf_coef": None,  # verl applies it to a shared actor-critic loss only
+    "critic_enable_gradient_checkpointing": "critic.model.enable_gradient_checkpointing",
+    "critic_param_offload": "critic.model.fsdp_config.param_offload",
+    "critic_optimizer_offload": "critic.model.fsdp_config.optimizer_offload",
+}
 
 
 def need(ok, msg):
@@ -391,9 +564,21 @@ def check_args(args, world_size):
     check_ranges(args)  # after the checks above, whose messages say more where they apply
     # param_offload already steps the optimizer on the CPU
     args.optimizer_offload &= not args.param_offload
+    args.experiment_name = args.experiment_name or run_name(args.model, args.train_files)
     args.default_local_dir = args.default_local_dir or os.path.join(
         "checkpoints", args.project_name, args.experiment_name
     )
+
+
+def run_name(model, train_files):
+    """A run's default name, after its model and its data: `Qwen/Qwen2.5-0.5B-Instruct` on
+    `~/data/gsm8k/train.parquet` -> qwen2.5-0.5b-instruct_gsm8k (a file's folder names the data
+    set, as verl's preprocessing writes it; a file alone in a generic folder, its own name)."""
+    model = os.path.basename(os.path.normpath(os.path.expanduser(model))).lower()
+    first = os.path.expanduser(train_files.split(",")[0])
+    folder, stem = os.path.basename(os.path.dirname(os.path.abspath(first))), Path(first).stem
+    data = stem if stem not in ("train", "training") else folder
+    return f"{model}_{data}".replace(" ", "_")
 
 
 def check_batch_args(args, world_size):
@@ -439,8 +624,13 @@ def check_batch_args(args, world_size):
 
 
 def given_flags():
-    """The flags named on the command line (a default left alone is not among them)."""
-    return {a[2:].split("=")[0].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")}
+    """The flags named on the command line (a default left alone is not among them), verl's keys
+    as the flags they map to (`parse` keeps the command line it read)."""
+    argv = PARSED_ARGV if PARSED_ARGV is not None else sys.argv[1:]
+    return {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+
+
+PARSED_ARGV = None  # the command line as `parse` read it, verl's keys as flags
 
 
 def bare_switches(Args, argv=None):
@@ -457,7 +647,186 @@ def bare_switches(Args, argv=None):
     return out
 
 
+# the --help's sections, each named where its first flag is (a script adds its own Args' sections
+# in a SECTIONS of its own)
+SECTIONS = {
+    "model": "model and data",
+    "rollout_engine": "generation",
+    "rollout_n": "samples and mini-batches",
+    "ppo_micro_batch_size_per_gpu": "micro-batches and the memory plan",
+    "lr_warmup_steps": "the learning rate",
+    "rollout_is": "the engine's sampling against the trainer's",
+    "filter_groups": "a step's batch: dynamic sampling, the skip, off-policy generation",
+    "enable_gradient_checkpointing": "memory",
+    "use_torch_compile": "speed",
+    "custom_reward_function_path": "rewards",
+    "total_epochs": "steps, validation, checkpoints, stopping and logging",
+}
+
+
+def help_text(f):
+    """A flag's --help: its text (a `%` kept as one) and its default, once."""
+    text = f.metadata["help"].replace("%", "%%")
+    if "default:" in text or "default " in text or f.default is None:  # said, or unset
+        return text
+    default = str(f.default).lower() if isinstance(f.default, bool) else f.default
+    return f"{text} (default: {default})"
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each flag once, as `--name VALUE` (the parser also takes --name-with-dashes)."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=38, width=100)
+
+    def _format_action_invocation(self, action):
+        if not action.option_strings:
+            return super()._format_action_invocation(action)
+        name = action.option_strings[-1] if action.option_strings[0] == "-h" else (
+            action.option_strings[0])  # fmt: skip
+        if action.nargs == 0:
+            return name
+        return f"{name} {self._format_args(action, action.dest.upper())}"
+
+
+class Parser(HfArgumentParser):
+    """The command line of a train script: flags by section in --help, each default once; a flag
+    error in a line (no usage block, no traceback)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (--help lists the flags)\n")
+
+
+def parser(Args):
+    """The script's parser: HfArgumentParser for the types, its --help in `SECTIONS`."""
+    script = os.path.basename(sys.argv[0]) or "train.py"
+    doc = (sys.modules["__main__"].__doc__ or "").strip().split("\n\n")[0]
+    p = Parser(
+        Args,
+        prog=script,
+        usage=f"torchrun --nproc_per_node=N {script} [--flag value ...]  (or python {script} ...)",
+        description=doc,
+        epilog="docs/flags.md has each flag's verl key; verl's dotted keys "
+        "(data.train_batch_size=4) are taken as well.",
+        formatter_class=HelpFormatter,
+    )
+    sections = {}  # this module's, then each script's (a module-level SECTIONS beside its Args)
+    for cls in reversed(Args.__mro__):
+        sections |= getattr(sys.modules.get(cls.__module__), "SECTIONS", {})
+    options = p._action_groups[1]  # argparse's "options", where every flag starts
+    group = options
+    for f in fields(Args):
+        if f.name in sections:
+            group = p.add_argument_group(sections[f.name])
+        for action in [a for a in p._actions if a.dest == f.name]:
+            if action.option_strings[0].startswith("--no_"):  # --no_X: the same as --X false
+                action.help = argparse.SUPPRESS
+            else:
+                action.help = help_text(f)
+            if action.nargs == "?" and action.const is True:  # --flag, --flag true|false
+                action.metavar = "true|false"
+            elif action.nargs != 0:
+                action.metavar = {int: "N", float: "X"}.get(action.type, "VALUE")
+            if group is not options:
+                options._group_actions.remove(action)
+                group._group_actions.append(action)
+    return p
+
+
+def verl_keys():
+    """verl's config keys (`VERL`) -> (flag, inverted): "a/b" in a key and " / " between keys name
+    alternatives; a note after the key (" (inverted)") says how the value reads."""
+    out = {}
+    for name, keys in VERL.items():
+        for key in (keys or "").split(" / "):
+            key, _, note = key.partition(" ")
+            parts = [part.split("/") for part in key.split(".")]
+            expanded = [""]
+            for alternatives in parts:
+                expanded = [f"{e}.{a}" if e else a for e in expanded for a in alternatives]
+            for k in expanded:
+                if "." in k:
+                    out[k] = (name, note == "(inverted)")
+    return out
+
+
+# verl's keys with no flag here that a pasted command line may hold: what they mean here
+VERL_ELSEWHERE = {
+    "algorithm.adv_estimator": "the script is the estimator: train_grpo.py (grpo), train_ppo.py "
+    "(gae)",
+    "trainer.device": "the device is what torch finds",
+    "data.return_raw_chat": "prompts are tokenized here",
+}
+
+
+def verl_flags(Args, argv):
+    """verl's `section.key=value` arguments (Hydra's, as in verl's tutorials) as this script's
+    flags; a key with no counterpart is named. Hydra's `+` prefixes are taken, `null` leaves the
+    default."""
+    import re
+
+    names = {f.name: f for f in fields(Args)}
+    keys, out, script = verl_keys(), [], os.path.basename(sys.argv[0])
+    for arg in argv:
+        m = re.fullmatch(r"\+{0,2}([A-Za-z_]\w*(?:\.\w+)+)=(.*)", arg)
+        if m is None:
+            out.append(arg)
+            continue
+        key, value = m.groups()
+        if key == "algorithm.adv_estimator":
+            ours = {"train_grpo.py": "grpo", "train_ppo.py": "gae"}.get(script)
+            need(
+                ours is None or value == ours,
+                f"{key}={value}: {VERL_ELSEWHERE[key]}; this one is {script} ({ours})",
+            )
+            continue
+        if key in keys and keys[key][0] not in names:  # another script's (PPO's critic_*)
+            print(f"{script}: verl's {key} has no meaning here: left out", file=sys.stderr)
+            continue
+        if key not in keys:
+            import difflib
+
+            near = difflib.get_close_matches(key, list(keys), n=2, cutoff=0.75)
+            hint = f"; did you mean {' or '.join(near)}?" if near else ""
+            why = VERL_ELSEWHERE.get(key, "it has no counterpart here")
+            need(False, f"verl's {key}: {why}{hint} (docs/flags.md maps verl's keys to flags)")
+        name, inverted = keys[key]
+        value = value.strip().strip("'\"").replace("'", "").replace('"', "")
+        if value.lower() in ("null", "none", "~"):
+            continue  # the default
+        if inverted:
+            value = "false" if value.lower() in ("true", "1", "yes") else "true"
+        out += [f"--{name}", value]
+    return out
+
+
+def check_flag_names(Args, argv):
+    """Every --flag of the command line is one of Args', or the error names the closest ones."""
+    import difflib
+
+    names = [f.name for f in fields(Args)]
+    for arg in argv:
+        if not arg.startswith("--") or arg in ("--help",):
+            continue
+        name = arg[2:].split("=")[0].replace("-", "_")
+        if name not in names:
+            near = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join('--' + n for n in near)}?" if near else ""
+            raise SystemExit(
+                f"{os.path.basename(sys.argv[0])}: unknown flag {arg.split('=')[0]}{hint} "
+                "(--help lists the flags)"
+            )
+
+
 def parse(Args, argv=None):
-    """The command line (default: sys.argv) read into the script's `Args`."""
-    (parsed,) = HfArgumentParser(Args).parse_args_into_dataclasses(bare_switches(Args, argv))
+    """The command line (default: sys.argv) read into the script's `Args`: verl's dotted keys
+    taken (`verl_flags`), an unknown flag or a word that is no flag's value named in a line."""
+    global PARSED_ARGV
+    argv = verl_flags(Args, list(sys.argv[1:] if argv is None else argv))
+    check_flag_names(Args, argv)
+    PARSED_ARGV = argv
+    parsed, rest = parser(Args).parse_args_into_dataclasses(
+        bare_switches(Args, argv), return_remaining_strings=True
+    )
+    need(not rest, f"not a flag or a flag's value: {' '.join(rest)} (--help lists the flags)")
     return parsed

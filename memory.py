@@ -101,9 +101,14 @@ def config_of(path):
     network), or the hub's config.json. Names --model and the ways out when none can be read."""
     from transformers import AutoConfig
 
-    known = None if os.path.isdir(os.path.expanduser(path)) else known_config(path)
+    local = os.path.isdir(os.path.expanduser(path))
+    known = None if local else known_config(path)
     if known is not None:
         return known
+    if not local:  # reachable or cached, or said so in seconds
+        import models
+
+        models.check_source(path)
     try:
         return AutoConfig.from_pretrained(path)
     except OSError as error:
@@ -531,10 +536,14 @@ def plan_memory(args, specs, world, device, prompt_len, given, helper=None):
     if memory_bytes:
         chosen = {name: getattr(args, name) for name in names if getattr(args, name)}
         result = memory_plan(args, specs, world, memory_bytes, prompt_len, chosen)
+
+        def good(p):  # budgets matter with token budgets only
+            return p.good or (p.fits and not args.use_dynamic_bsz)
+
         worst = result.worst()
         turned = []  # each switch turned on until it fits, then those it fits without off again
         for name, why in remedies(args, specs):
-            if result.good:
+            if good(result):
                 break
             if name not in given and not getattr(args, name):
                 setattr(args, name, True)
@@ -543,7 +552,7 @@ def plan_memory(args, specs, world, device, prompt_len, given, helper=None):
         for name, why in reversed(turned if result.fits else []):
             setattr(args, name, False)
             without = memory_plan(args, specs, world, memory_bytes, prompt_len, chosen)
-            if without.good or (without.fits and not result.good):
+            if good(without) or (without.fits and not good(result)):
                 turned.remove((name, why))
                 result = without
             else:

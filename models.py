@@ -9,6 +9,8 @@ one, compiling ahead runs each one's passes, the trained ones are checkpointed. 
 model adds an entry.
 """
 
+import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +63,63 @@ class Model:
 
     def micro_batch_flags(self):
         return ([self.update[0]] if self.trained else []) + [self.passes[0]]
+
+
+def reachable(url, timeout=5.0):
+    """Whether `url`'s host answers on its port within `timeout` seconds (the name looked up and
+    a connection made in a thread, which a stalled lookup cannot hold longer)."""
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    where = urlparse(url)
+    port = where.port or (443 if where.scheme == "https" else 80)
+    answered = []
+
+    def connect():
+        with contextlib.suppress(OSError):
+            socket.create_connection((where.hostname, port), timeout=timeout).close()
+            answered.append(True)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(answered)
+
+
+def check_source(path, flag="--model"):
+    """A model named as on the hub that cannot be had, named within seconds with the ways out,
+    instead of the hub's retries (about a minute) and a traceback: not in the hub's cache with
+    HF_HUB_OFFLINE=1, or not in it and the hub unreachable. Cached and the hub unreachable: the
+    cached copy, offline. A local folder passes (check_paths looks inside it)."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    if os.path.isdir(os.path.expanduser(path)):
+        return
+    cached = huggingface_hub.try_to_load_from_cache(path, "config.json")
+    ways = (
+        f"give a local folder ({flag} /path/to/model), or download it where there is a network "
+        f"(huggingface-cli download {path}), copy the hub's cache ({constants.HF_HUB_CACHE}) here "
+        "and set HF_HUB_OFFLINE=1"
+    )
+    if constants.HF_HUB_OFFLINE:
+        flags.need(
+            isinstance(cached, str),
+            f"{flag} {path} is not a local folder and not in the hub's cache, and HF_HUB_OFFLINE=1 "
+            f"keeps the hub out: {ways}",
+        )
+        return
+    if reachable(constants.ENDPOINT):
+        return
+    flags.need(
+        isinstance(cached, str),
+        f"{flag} {path}: the hub ({constants.ENDPOINT}) cannot be reached and no copy is cached: "
+        f"{ways}",
+    )
+    print(f"the hub ({constants.ENDPOINT}) cannot be reached: {path} from its cache", flush=True)
+    os.environ["HF_HUB_OFFLINE"] = "1"  # this process's loaders, and the processes it starts
+    constants.HF_HUB_OFFLINE = True
 
 
 def attention(args):

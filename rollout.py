@@ -158,6 +158,27 @@ def graphs_without_compile(max_num_seqs: int) -> dict:
 ON_CPU = {"dtype": "float32", "enforce_eager": True}
 
 
+def quiet_rotary_reload():
+    """Leave out vLLM's "Failed to load weights" of two layers at each push, which is how its
+    reload says it kept what the layer holds: the rotary layer's cos/sin table, which it computes
+    and no checkpoint has, and a tied output layer's weight, which is the embeddings' (pushed as
+    such). A push that misses a parameter is refused all the same (`check_push`), and the
+    engine's log-probs are checked against the trainer's each step (rollout/logprob_gap_mean)."""
+    import logging
+
+    kept = {"RotaryEmbedding", "ParallelLMHead"}
+
+    def keep(record):
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == "%s: Failed to load weights" and args[:1] and args[0] in kept)
+
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if keep not in log.filters and not any(
+        getattr(f, "__name__", "") == "keep" for f in log.filters
+    ):
+        log.addFilter(keep)
+
+
 class VLLMEngine:
     """An in-process vLLM engine bound to this rank (see the module docstring)."""
 
@@ -199,6 +220,7 @@ class VLLMEngine:
         if kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         _register_in_process(model_path)
+        quiet_rotary_reload()
         # what every push must bring
         self.expected = {name for name, _ in meta_model(model_path).named_parameters()}
         self.llm = LLM(

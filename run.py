@@ -509,6 +509,16 @@ def start(args, check_args, declare_models):
         run.gpu_bytes = torch.cuda.get_device_properties(device).total_memory
         if args.gpu_memory_gib:  # behave as on a GPU of that size
             memory.fence(args, device)
+    for path in dict.fromkeys(spec.path for spec in specs):  # hub ids: reachable, or cached
+        if not args.print_plan:  # which reads configs only (memory.config_of)
+            models.check_source(path, "--model" if path == args.model else "the model")
+    if device.type == "cpu" and rank == 0 and not args.print_plan:
+        print(
+            "no GPU is visible: this run trains on the CPU, which suits tiny models (bash "
+            "examples/quickstart_cpu.sh); on a GPU machine, see that nvidia-smi lists one and that "
+            "torch.cuda.is_available() holds in this environment",
+            flush=True,
+        )
     gpus = planned_world(args, world)
     if args.print_plan:  # the model's config only: no weights, no data
         need(

@@ -31,6 +31,13 @@ from flags import flag
 from metrics import Timer
 from models import Model
 
+# --help's sections of Args' flags, by their first (flags.SECTIONS: the shared flags')
+SECTIONS = {
+    "actor_lr": "the actor's update: the clipped surrogate, the KL to the reference",
+    "gamma": "advantages (GAE)",
+    "critic_model": "the critic",
+}
+
 
 @dataclass
 class Args(flags.RunArgs):
@@ -79,7 +86,11 @@ class Args(flags.RunArgs):
     # the quickstart's shape and cadence (flags.RunArgs' defaults are GRPO's)
     max_response_length: int = flag(512, "tokens generated at most", ge=1)
     save_freq: int = flag(
-        10, "checkpoint every N steps, the last, on a stop (-1: never)", ge=1, also=(-1,)
+        10,
+        "checkpoint every N steps and the last (-1: none of them); a SIGTERM's stop is always "
+        "checkpointed",
+        ge=1,
+        also=(-1,),
     )
     project_name: str = flag("ppo_gsm8k", "for wandb / tensorboard / folders")
     warm_compile_caches: bool = flag(False, "off: PPO's step 1 ends before the helper compiles")

@@ -98,3 +98,14 @@ def make_tiny_model(
     make_tiny_tokenizer().save_pretrained(tmp)
     os.replace(tmp, path)
     return path
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description="Write a tiny random model and its tokenizer.")
+    p.add_argument("--out", required=True, help="the folder to write (kept if already there)")
+    p.add_argument("--arch", default="qwen2", choices=sorted(ARCH))
+    p.add_argument("--layers", type=int, default=2)
+    a = p.parse_args()
+    print(make_tiny_model(a.out, a.arch, layers=a.layers))

@@ -1,0 +1,135 @@
+"""The command line: --help by section, each flag once with its default once; a flag error in a
+line naming the closest flags; verl's dotted keys taken through the table docs/flags.md is written
+from, and the keys with no counterpart named."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import flags
+import train_grpo
+import train_ppo
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = {"train_grpo.py": train_grpo.Args, "train_ppo.py": train_ppo.Args}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_renders_each_flag_once_in_its_section(script, monkeypatch):
+    Args = SCRIPTS[script]
+    monkeypatch.setattr(sys, "argv", [script])
+    text = flags.parser(Args).format_help()
+    assert "{'option_strings'" not in text  # a % in a help string once broke argparse
+    for title in ["model and data", "generation", "memory", "speed", "rewards",
+                  "steps, validation, checkpoints, stopping and logging"]:  # fmt: skip
+        assert f"\n{title}:\n" in text
+    assert ("\nthe critic:\n" in text) == (script == "train_ppo.py")
+    lines = text.splitlines()
+    for f in dataclasses.fields(Args):
+        shown = [line for line in lines if line.startswith(f"  --{f.name} ")]
+        shown += [line for line in lines if line == f"  --{f.name}"]
+        assert len(shown) == 1, f.name  # once, and without its --dashed-alias or --no_ twin
+        help = flags.help_text(f)
+        assert len(help) <= 170, (f.name, help)  # a line or two; docs/flags.md has the rest
+        assert help.count("default") <= 1 or "default:" not in help.split("(default:")[0], help
+    assert "no_use_kl_loss" not in text and "--train-files" not in text
+
+
+def test_a_flag_error_is_one_line_naming_the_closest_flags():
+    with pytest.raises(SystemExit) as e:
+        flags.parse(train_grpo.Args, ["--modle", "x"])
+    assert "unknown flag --modle; did you mean --model?" in str(e.value.code)
+    with pytest.raises(SystemExit) as e:
+        flags.parse(train_grpo.Args, ["--critic_lr", "1e-5"])  # PPO's, not GRPO's
+    assert "unknown flag --critic_lr" in str(e.value.code)
+    with pytest.raises(SystemExit) as e:
+        flags.parse(train_grpo.Args, ["stray", "--rollout_n", "4"])
+    assert "not a flag or a flag's value: stray" in str(e.value.code)
+    for argv, message in [(["--modle", "x"], "did you mean --model?"),
+                          (["--rollout_n", "x"], "invalid int value: 'x'")]:  # fmt: skip
+        out = subprocess.run([sys.executable, "train_grpo.py", *argv], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert out.returncode != 0 and message in out.stderr
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+# verl's GRPO tutorial for Qwen3-1.7B (its command line, as the tutorial gives it)
+QWEN3_TUTORIAL = """
+algorithm.adv_estimator=grpo data.train_files=/d/train.parquet data.val_files=/d/test.parquet
+data.train_batch_size=1024 data.max_prompt_length=512 data.max_response_length=1024
+data.filter_overlong_prompts=True data.truncation=error actor_rollout_ref.model.path=Qwen/Qwen3-1.7B
+actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.model.use_remove_padding=True
+actor_rollout_ref.actor.ppo_mini_batch_size=80
+actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=20
+actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.001
+actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.actor.entropy_coeff=0
+actor_rollout_ref.model.enable_gradient_checkpointing=True
+actor_rollout_ref.actor.fsdp_config.param_offload=False
+actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=20
+actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.rollout.name=vllm
+actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=3
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=20
+actor_rollout_ref.ref.fsdp_config.param_offload=True algorithm.use_kl_in_reward=False
+trainer.critic_warmup=0 trainer.logger=['console'] trainer.project_name=verl_grpo_example_gsm8k
+trainer.experiment_name=qwen3_1_7b_function_rm trainer.n_gpus_per_node=1 trainer.nnodes=1
+trainer.save_freq=-1 trainer.test_freq=5 trainer.total_epochs=15
+""".split()
+
+
+def test_verls_command_line_is_taken_through_the_flags_table(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["train_grpo.py"])
+    args = flags.parse(train_grpo.Args, QWEN3_TUTORIAL)
+    assert (args.model, args.train_files) == ("Qwen/Qwen3-1.7B", "/d/train.parquet")
+    assert args.train_batch_size == 1024
+    assert args.rollout_n == 3 and args.ppo_mini_batch_size == 80 and args.actor_lr == 1e-6
+    assert args.ppo_micro_batch_size_per_gpu == 20 and args.log_prob_micro_batch_size_per_gpu == 20
+    assert args.enable_gradient_checkpointing and args.ref_param_offload
+    assert not args.param_offload and args.filter_overlong_prompts
+    assert args.logger == "[console]" and args.test_freq == 5 and args.save_freq == -1
+    assert args.n_gpus_per_node == 1 and args.nnodes == 1
+    assert "verl's trainer.critic_warmup has no meaning here: left out" in capsys.readouterr().err
+    # the per-sequence micro-batches given this way count as given (verl's meaning kept)
+    assert "ppo_micro_batch_size_per_gpu" in flags.given_flags()
+    with pytest.raises(SystemExit, match="this one is train_grpo.py"):
+        flags.parse(train_grpo.Args, ["algorithm.adv_estimator=gae"])
+    with pytest.raises(SystemExit, match="verl's trainer.foo: it has no counterpart here"):
+        flags.parse(train_grpo.Args, ["trainer.foo=3"])
+    with pytest.raises(SystemExit, match="did you mean actor_rollout_ref.actor.optim.lr"):
+        flags.parse(train_grpo.Args, ["actor_rollout_ref.actor.optim.lrr=3"])
+    # Hydra's + prefix, null for the default, and verl's inverted enforce_eager
+    hydra = ["+critic.optim.lr=2e-5", "data.val_files=null"]
+    args = flags.parse(train_ppo.Args, [*hydra, "actor_rollout_ref.rollout.enforce_eager=False"])
+    assert args.critic_lr == 2e-5 and args.val_files == train_ppo.Args().val_files
+    assert args.rollout_compile is True
+
+
+def test_a_hub_model_that_cannot_be_had_fails_in_seconds_naming_the_ways_out(tmp_path):
+    """No network to the hub (an endpoint that refuses) and nothing cached; then HF_HUB_OFFLINE=1
+    with nothing cached: a line naming --model and what to do, before any data or weights, in
+    seconds rather than the hub's minute of retries."""
+    import os
+    import time
+
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    env.pop("HF_HUB_OFFLINE", None)
+    for extra, message in [
+        ({}, "--model Qwen/Qwen2.5-0.5B-Instruct: the hub (http://127.0.0.1:9) cannot be reached"),
+        ({"HF_HUB_OFFLINE": "1"}, "and HF_HUB_OFFLINE=1 keeps the hub out"),
+    ]:
+        start = time.monotonic()
+        out = subprocess.run([sys.executable, "train_grpo.py"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120, env={**env, **extra})  # fmt: skip
+        assert out.returncode == 1 and message in out.stderr, out.stderr[-2000:]
+        assert "give a local folder (--model /path/to/model)" in out.stderr
+        assert "Traceback" not in out.stderr and time.monotonic() - start < 30
+
+
+def test_a_runs_folder_is_named_after_its_model_and_data():
+    assert flags.run_name("Qwen/Qwen2.5-0.5B-Instruct", "~/data/gsm8k/train.parquet") == (
+        "qwen2.5-0.5b-instruct_gsm8k"
+    )
+    assert flags.run_name("/models/tiny/", "/d/prompts.parquet,/d/more.parquet") == "tiny_prompts"
