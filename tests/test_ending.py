@@ -71,9 +71,9 @@ def test_a_reward_call_that_never_returns_times_out_under_two_ranks(assets):
     assert not workers_alive(str(path))
 
 
-def test_a_reward_that_raises_on_one_rank_ends_both_within_seconds(assets):
-    """Rank 1's reward raises while rank 0 waits for it in a collective: both end, the error shown,
-    within seconds of it."""
+def rank_1_raises_and_both_end(assets):
+    """Rank 1's reward raises while rank 0 waits for it in a collective: both end within seconds,
+    rank 1's error first in torchrun's summary (with gloo here; tests/gpu/ with NCCL)."""
     raises = """
 if os.environ["RANK"] == "1":
     open(MARK, "w").write(str(time.time()))
@@ -98,15 +98,19 @@ if os.environ["RANK"] == "1":
     assert re.search(r"rank\s*: 1 ", root_cause), proc.output[-3000:]
 
 
-def test_sigterm_ends_a_run_stuck_in_a_reward_call(assets):
-    """A reward call that never returns (no time limit), then a SIGTERM: the run ends within
-    --stop_grace_s, saying where it was stuck."""
-    path = reward_file(assets, "spins", first_call("while True: pass"))
-    out = assets["tmp"] / "spins_run"
+def test_a_reward_that_raises_on_one_rank_ends_both_within_seconds(assets):
+    rank_1_raises_and_both_end(assets)
+
+
+def sigterm_in_a_reward_call(assets, name, body, grace):
+    """A run whose first reward call does `body`, signalled (SIGTERM) a second into that call;
+    returns its exit status, its output and the seconds from the signal to its end."""
+    path = reward_file(assets, name, first_call(body))
+    out = assets["tmp"] / f"{name}_run"
     args = flags(assets, out, "hf", 2, "disable", "--custom_reward_function_path", str(path))
     env = {**os.environ, "MASTER_PORT": str(free_port())}
     proc = subprocess.Popen(
-        [sys.executable, "train_grpo.py", *args, "--stop_grace_s", "3", "--test_freq", "-1"],
+        [sys.executable, "train_grpo.py", *args, "--stop_grace_s", str(grace), "--test_freq", "-1"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -121,8 +125,15 @@ def test_sigterm_ends_a_run_stuck_in_a_reward_call(assets):
     signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     output = proc.communicate(timeout=60)[0]
-    assert time.monotonic() - signalled < 3 + 5, output[-6000:]
-    assert proc.returncode == 128 + signal.SIGTERM, output[-6000:]
+    return proc.returncode, output, time.monotonic() - signalled, path, proc.pid
+
+
+def test_sigterm_ends_a_run_stuck_in_a_reward_call(assets):
+    """A reward call that never returns (no time limit), then a SIGTERM: the run ends within
+    --stop_grace_s, saying where it was stuck."""
+    code, output, took, path, _ = sigterm_in_a_reward_call(assets, "spins", "while True: pass", 3)
+    assert took < 3 + 5, output[-6000:]
+    assert code == 128 + signal.SIGTERM, output[-6000:]
     assert (
         "a SIGTERM came 3 s ago (--stop_grace_s) and the run is still in phase step > gen, "
         f"calling the reward function compute_score in {path} on sample 0"
@@ -160,28 +171,8 @@ def test_the_stop_deadline_holds_when_the_interpreter_is_stuck_in_c_code(assets)
     process ends the run WATCHDOG_AFTER_S after --stop_grace_s."""
     from ending import WATCHDOG_AFTER_S
 
-    stuck = first_call('import re; re.match(r"(a+)+$", "a" * 40 + "!")')
-    path = reward_file(assets, "backtracks", stuck)
-    out = assets["tmp"] / "backtracks_run"
-    args = flags(assets, out, "hf", 2, "disable", "--custom_reward_function_path", str(path))
-    env = {**os.environ, "MASTER_PORT": str(free_port())}
-    proc = subprocess.Popen(
-        [sys.executable, "train_grpo.py", *args, "--stop_grace_s", "2", "--test_freq", "-1"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    deadline = time.monotonic() + 240
-    while not os.path.exists(f"{path}.mark") and proc.poll() is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    time.sleep(1.0)  # well inside the match
-    signalled = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    output = proc.communicate(timeout=60)[0]
-    took = time.monotonic() - signalled
+    stuck = 'import re; re.match(r"(a+)+$", "a" * 40 + "!")'
+    code, output, took, _, pid = sigterm_in_a_reward_call(assets, "backtracks", stuck, 2)
     assert 2 + WATCHDOG_AFTER_S - 1 < took < 2 + WATCHDOG_AFTER_S + 5, output[-6000:]
-    assert proc.returncode == -signal.SIGKILL, output[-6000:]
-    assert f"[watchdog] process {proc.pid} is still running 7 s after its SIGTERM" in output
+    assert code == -signal.SIGKILL, output[-6000:]
+    assert f"[watchdog] process {pid} is still running 7 s after its SIGTERM" in output

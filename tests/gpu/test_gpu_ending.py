@@ -5,7 +5,6 @@ waits in a collective ends the run within --stop_grace_s. The same cases on CPU 
 tests/test_ending.py. Run with `make test-gpu` on a machine with two GPUs."""
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,8 +13,8 @@ import time
 import pytest
 import torch
 
-from tests.test_ending import first_call, reward_file
-from tests.test_train_grpo import ROOT, flags, launch, make_assets
+from tests.test_ending import first_call, rank_1_raises_and_both_end, reward_file
+from tests.test_train_grpo import ROOT, flags, make_assets
 from tests.tiny_model import free_port
 
 pytestmark = pytest.mark.skipif(
@@ -29,22 +28,7 @@ def assets(tmp_path_factory):
 
 
 def test_a_reward_that_raises_on_one_rank_ends_both_over_nccl(assets):
-    raises = """
-if os.environ["RANK"] == "1":
-    open(MARK, "w").write(str(time.time()))
-    raise ValueError("a sample this function cannot read")
-"""
-    path = reward_file(assets, "raises_on_rank_1", raises)
-    out = assets["tmp"] / "raises_on_rank_1_run"
-    proc = launch(
-        flags(assets, out, "hf", 2, "disable", "--custom_reward_function_path", str(path))
-    )
-    ended = time.time()
-    assert proc.returncode != 0
-    assert ended - float(open(f"{path}.mark").read()) < 15, proc.output[-6000:]
-    assert "[rank 0] stopping: rank 1 failed" in proc.output, proc.output[-6000:]
-    root_cause = proc.output.split("Root Cause (first observed failure):")[1].split("exitcode")[0]
-    assert re.search(r"rank\s*: 1 ", root_cause), proc.output[-3000:]
+    rank_1_raises_and_both_end(assets)
 
 
 def test_sigterm_ends_a_run_whose_peer_waits_in_an_nccl_collective(assets):
