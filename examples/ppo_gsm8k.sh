@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # verl's PPO quickstart on GSM8K (Qwen2.5-0.5B-Instruct with a critic on the same body, 256 prompts
-# x 1, responses up to 512, KL in the reward 0.001): the defaults of train_ppo.py. On one H200 a
-# step took 6.3 s (median of steps 2-5, 2026-12-02).
+# x 1, responses up to 512, KL in the reward 0.001): the defaults of train_ppo.py. Its step time:
+# the README's Results (the PPO row).
 set -euo pipefail
 ROOT=$(dirname "$0")/..  # the train scripts
 MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
