@@ -1,11 +1,10 @@
-"""The flags every train script shares, their checks, and the command line.
+"""The flags every train script shares, their sections in --help, and their checks.
 
 A train script declares `Args(RunArgs)` with its algorithm's flags (each a `flag`: default, help,
-range); `parse(Args)` reads the command line into it, and `check_args` holds the shared flags to
-their ranges and to each other at start-up, naming the flag and what to do.
+range); `cli.parse(Args)` reads the command line into it, and `check_args` holds the shared flags
+to their ranges and to each other at start-up, naming the flag and what to do.
 """
 
-import argparse
 import importlib.util
 import math
 import operator
@@ -13,8 +12,6 @@ import os
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-
-from transformers import HfArgumentParser
 
 
 def flag(default, help, *, gt=None, ge=None, lt=None, le=None, also=(), doc=None):
@@ -355,124 +352,6 @@ class RunArgs:
     seed: int = flag(1, "model init and data order; sampling uses seed + group", ge=0)
 
 
-ARA = "actor_rollout_ref"
-# each flag's key in verl's config (docs/flags.md is written from it, and the command line takes
-# the keys: `verl_flags`); None: ours, verl has none
-VERL = {
-    "model": f"{ARA}.model.path",
-    "train_files": "data.train_files",
-    "val_files": "data.val_files",
-    "train_batch_size": "data.train_batch_size",
-    "max_prompt_length": "data.max_prompt_length",
-    "max_response_length": "data.max_response_length",
-    "filter_overlong_prompts": "data.filter_overlong_prompts",
-    "truncation": "data.truncation",
-    "rollout_engine": f"{ARA}.rollout.name",
-    "temperature": f"{ARA}.rollout.temperature",
-    "top_p": f"{ARA}.rollout.top_p",
-    "top_k": f"{ARA}.rollout.top_k",
-    "tensor_model_parallel_size": f"{ARA}.rollout.tensor_model_parallel_size",
-    "logprob_check_prompts": None,
-    "gpu_memory_utilization": f"{ARA}.rollout.gpu_memory_utilization",
-    "max_num_seqs": f"{ARA}.rollout.max_num_seqs",
-    "engines_per_gpu": None,
-    "rollout_compile": f"{ARA}.rollout.enforce_eager (inverted)",
-    "rollout_n": f"{ARA}.rollout.n",
-    "ppo_mini_batch_size": f"{ARA}.actor.ppo_mini_batch_size",
-    "ppo_epochs": f"{ARA}.actor.ppo_epochs",
-    "ppo_micro_batch_size_per_gpu": f"{ARA}.actor.ppo_micro_batch_size_per_gpu",
-    "log_prob_micro_batch_size_per_gpu": f"{ARA}.rollout/ref.log_prob_micro_batch_size_per_gpu",
-    "use_dynamic_bsz": f"{ARA}.actor.use_dynamic_bsz",
-    "ppo_max_token_len_per_gpu": f"{ARA}.actor.ppo_max_token_len_per_gpu",
-    "log_prob_max_token_len_per_gpu": f"{ARA}.rollout/ref.log_prob_max_token_len_per_gpu",
-    "print_plan": None,
-    "gpu_memory_gib": None,
-    "n_gpus_per_node": "trainer.n_gpus_per_node",
-    "nnodes": "trainer.nnodes",
-    "lr_warmup_steps": f"{ARA}.actor.optim.lr_warmup_steps",
-    "lr_warmup_steps_ratio": f"{ARA}.actor.optim.lr_warmup_steps_ratio",
-    "lr_scheduler_type": f"{ARA}.actor.optim.warmup_style",
-    "min_lr_ratio": f"{ARA}.actor.optim.min_lr_ratio",
-    "lr_decay_steps_ratio": None,
-    "rollout_is": "algorithm.rollout_correction.rollout_is",
-    "rollout_is_threshold": "algorithm.rollout_correction.rollout_is_threshold",
-    "filter_groups": "algorithm.filter_groups.enable",
-    "max_num_gen_batches": "algorithm.filter_groups.max_num_gen_batches",
-    "gen_batch_size": "data.gen_batch_size",
-    "filter_groups_from_step": None,
-    "skip_all_equal": None,
-    "skip_explore_prob": None,
-    "one_step_off_policy": "recipe/one_step_off_policy (on separate GPUs there)",
-    "enable_gradient_checkpointing": f"{ARA}.model.enable_gradient_checkpointing",
-    "param_offload": f"{ARA}.actor.fsdp_config.param_offload",
-    "optimizer_offload": f"{ARA}.actor.fsdp_config.optimizer_offload",
-    "ref_param_offload": f"{ARA}.ref.fsdp_config.param_offload",
-    "use_remove_padding": f"{ARA}.model.use_remove_padding",
-    "use_torch_compile": f"{ARA}.actor.use_torch_compile",
-    "compile_layers": None,
-    "use_fused_kernels": f"{ARA}.model.use_fused_kernels",
-    "compile_update": None,
-    "warm_compile_caches": None,
-    "custom_reward_function_path": "reward.custom_reward_function.path",
-    "custom_reward_function_name": "reward.custom_reward_function.name",
-    "reward_errors": None,
-    "reward_workers": None,
-    "reward_timeout": None,
-    "total_epochs": "trainer.total_epochs",
-    "total_training_steps": "trainer.total_training_steps",
-    "save_freq": "trainer.save_freq",
-    "test_freq": "trainer.test_freq",
-    "val_before_train": "trainer.val_before_train",
-    "val_only": "trainer.val_only",
-    "stop_grace_s": None,
-    "val_n": f"{ARA}.rollout.val_kwargs.n",
-    "val_temperature": f"{ARA}.rollout.val_kwargs.temperature",
-    "max_val_samples": None,
-    "resume_mode": "trainer.resume_mode",
-    "default_local_dir": "trainer.default_local_dir",
-    "keep_last_checkpoints": "trainer.max_actor_ckpt_to_keep",
-    "export_final": None,
-    "rollout_data_dir": "trainer.rollout_data_dir",
-    "validation_data_dir": "trainer.validation_data_dir",
-    "logger": "trainer.logger",
-    "project_name": "trainer.project_name",
-    "experiment_name": "trainer.experiment_name",
-    "seed": "data.seed / actor_rollout_ref.rollout.seed",
-    "actor_lr": f"{ARA}.actor.optim.lr",
-    "weight_decay": f"{ARA}.actor.optim.weight_decay",
-    "grad_clip": f"{ARA}.actor.grad_clip",
-    "clip_ratio_low": f"{ARA}.actor.clip_ratio_low",
-    "clip_ratio_high": f"{ARA}.actor.clip_ratio_high",
-    "clip_ratio_c": f"{ARA}.actor.clip_ratio_c",
-    "loss_agg_mode": f"{ARA}.actor.loss_agg_mode",
-    "norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std_in_grpo",
-    "entropy_coeff": f"{ARA}.actor.entropy_coeff",
-    "use_kl_loss": f"{ARA}.actor.use_kl_loss",
-    "kl_loss_coef": f"{ARA}.actor.kl_loss_coef",
-    "kl_loss_type": f"{ARA}.actor.kl_loss_type",
-    "use_kl_in_reward": "algorithm.use_kl_in_reward",
-    "kl_coef": "algorithm.kl_ctrl.kl_coef",
-    "kl_penalty": "algorithm.kl_penalty",
-    "kl_ctrl_type": "algorithm.kl_ctrl.type",
-    "kl_target": "algorithm.kl_ctrl.target_kl",
-    "kl_horizon": "algorithm.kl_ctrl.horizon",
-    "gamma": "algorithm.gamma",
-    "lam": "algorithm.lam",
-    "critic_model": "critic.model.path",
-    "critic_lr": "critic.optim.lr",
-    "critic_weight_decay": "critic.optim.weight_decay",
-    "critic_warmup": "trainer.critic_warmup",
-    "critic_ppo_micro_batch_size_per_gpu": "critic.ppo_micro_batch_size_per_gpu",
-    "critic_ppo_max_token_len_per_gpu": "critic.ppo_max_token_len_per_gpu",
-    "critic_grad_clip": "critic.grad_clip",
-    "cliprange_value": "critic.cliprange_value",
-    "vf_coef": None,  # verl applies it to a shared actor-critic loss only
-    "critic_enable_gradient_checkpointing": "critic.model.enable_gradient_checkpointing",
-    "critic_param_offload": "critic.model.fsdp_config.param_offload",
-    "critic_optimizer_offload": "critic.model.fsdp_config.optimizer_offload",
-}
-
-
 def need(ok, msg):
     """Stop at start-up, naming the script and the flag, when `ok` is false."""
     if not ok:
@@ -623,30 +502,6 @@ def check_batch_args(args, world_size):
     )
 
 
-def given_flags():
-    """The flags named on the command line (a default left alone is not among them), verl's keys
-    as the flags they map to (`parse` keeps the command line it read)."""
-    argv = PARSED_ARGV if PARSED_ARGV is not None else sys.argv[1:]
-    return {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-
-
-PARSED_ARGV = None  # the command line as `parse` read it, verl's keys as flags
-
-
-def bare_switches(Args, argv=None):
-    """The command line with `true` after a bare switch whose default is None (chosen at start-up:
-    --use_dynamic_bsz, --compile_update, ...), so it reads as the plain switches do."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    tristate = {f"--{f.name}" for f in fields(Args) if f.type in (bool | None, "bool | None")}
-    out = []
-    for i, arg in enumerate(argv):
-        out.append(arg)
-        following = argv[i + 1] if i + 1 < len(argv) else "--"
-        if arg in tristate and following.startswith("--"):
-            out.append("true")
-    return out
-
-
 # the --help's sections, each named where its first flag is (a script adds its own Args' sections
 # in a SECTIONS of its own)
 SECTIONS = {
@@ -662,171 +517,3 @@ SECTIONS = {
     "custom_reward_function_path": "rewards",
     "total_epochs": "steps, validation, checkpoints, stopping and logging",
 }
-
-
-def help_text(f):
-    """A flag's --help: its text (a `%` kept as one) and its default, once."""
-    text = f.metadata["help"].replace("%", "%%")
-    if "default:" in text or "default " in text or f.default is None:  # said, or unset
-        return text
-    default = str(f.default).lower() if isinstance(f.default, bool) else f.default
-    return f"{text} (default: {default})"
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Each flag once, as `--name VALUE` (the parser also takes --name-with-dashes)."""
-
-    def __init__(self, prog):
-        super().__init__(prog, max_help_position=38, width=100)
-
-    def _format_action_invocation(self, action):
-        if not action.option_strings:
-            return super()._format_action_invocation(action)
-        name = action.option_strings[-1] if action.option_strings[0] == "-h" else (
-            action.option_strings[0])  # fmt: skip
-        if action.nargs == 0:
-            return name
-        return f"{name} {self._format_args(action, action.dest.upper())}"
-
-
-class Parser(HfArgumentParser):
-    """The command line of a train script: flags by section in --help, each default once; a flag
-    error in a line (no usage block, no traceback)."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: {message} (--help lists the flags)\n")
-
-
-def parser(Args):
-    """The script's parser: HfArgumentParser for the types, its --help in `SECTIONS`."""
-    script = os.path.basename(sys.argv[0]) or "train.py"
-    doc = (sys.modules["__main__"].__doc__ or "").strip().split("\n\n")[0]
-    p = Parser(
-        Args,
-        prog=script,
-        usage=f"torchrun --nproc_per_node=N {script} [--flag value ...]  (or python {script} ...)",
-        description=doc,
-        epilog="docs/flags.md has each flag's verl key; verl's dotted keys "
-        "(data.train_batch_size=4) are taken as well.",
-        formatter_class=HelpFormatter,
-    )
-    sections = {}  # this module's, then each script's (a module-level SECTIONS beside its Args)
-    for cls in reversed(Args.__mro__):
-        sections |= getattr(sys.modules.get(cls.__module__), "SECTIONS", {})
-    options = p._action_groups[1]  # argparse's "options", where every flag starts
-    group = options
-    for f in fields(Args):
-        if f.name in sections:
-            group = p.add_argument_group(sections[f.name])
-        for action in [a for a in p._actions if a.dest == f.name]:
-            if action.option_strings[0].startswith("--no_"):  # --no_X: the same as --X false
-                action.help = argparse.SUPPRESS
-            else:
-                action.help = help_text(f)
-            if action.nargs == "?" and action.const is True:  # --flag, --flag true|false
-                action.metavar = "true|false"
-            elif action.nargs != 0:
-                action.metavar = {int: "N", float: "X"}.get(action.type, "VALUE")
-            if group is not options:
-                options._group_actions.remove(action)
-                group._group_actions.append(action)
-    return p
-
-
-def verl_keys():
-    """verl's config keys (`VERL`) -> (flag, inverted): "a/b" in a key and " / " between keys name
-    alternatives; a note after the key (" (inverted)") says how the value reads."""
-    out = {}
-    for name, keys in VERL.items():
-        for key in (keys or "").split(" / "):
-            key, _, note = key.partition(" ")
-            parts = [part.split("/") for part in key.split(".")]
-            expanded = [""]
-            for alternatives in parts:
-                expanded = [f"{e}.{a}" if e else a for e in expanded for a in alternatives]
-            for k in expanded:
-                if "." in k:
-                    out[k] = (name, note == "(inverted)")
-    return out
-
-
-# verl's keys with no flag here that a pasted command line may hold: what they mean here
-VERL_ELSEWHERE = {
-    "algorithm.adv_estimator": "the script is the estimator: train_grpo.py (grpo), train_ppo.py "
-    "(gae)",
-    "trainer.device": "the device is what torch finds",
-    "data.return_raw_chat": "prompts are tokenized here",
-}
-
-
-def verl_flags(Args, argv):
-    """verl's `section.key=value` arguments (Hydra's, as in verl's tutorials) as this script's
-    flags; a key with no counterpart is named. Hydra's `+` prefixes are taken, `null` leaves the
-    default."""
-    import re
-
-    names = {f.name: f for f in fields(Args)}
-    keys, out, script = verl_keys(), [], os.path.basename(sys.argv[0])
-    for arg in argv:
-        m = re.fullmatch(r"\+{0,2}([A-Za-z_]\w*(?:\.\w+)+)=(.*)", arg)
-        if m is None:
-            out.append(arg)
-            continue
-        key, value = m.groups()
-        if key == "algorithm.adv_estimator":
-            ours = {"train_grpo.py": "grpo", "train_ppo.py": "gae"}.get(script)
-            need(
-                ours is None or value == ours,
-                f"{key}={value}: {VERL_ELSEWHERE[key]}; this one is {script} ({ours})",
-            )
-            continue
-        if key in keys and keys[key][0] not in names:  # another script's (PPO's critic_*)
-            print(f"{script}: verl's {key} has no meaning here: left out", file=sys.stderr)
-            continue
-        if key not in keys:
-            import difflib
-
-            near = difflib.get_close_matches(key, list(keys), n=2, cutoff=0.75)
-            hint = f"; did you mean {' or '.join(near)}?" if near else ""
-            why = VERL_ELSEWHERE.get(key, "it has no counterpart here")
-            need(False, f"verl's {key}: {why}{hint} (docs/flags.md maps verl's keys to flags)")
-        name, inverted = keys[key]
-        value = value.strip().strip("'\"").replace("'", "").replace('"', "")
-        if value.lower() in ("null", "none", "~"):
-            continue  # the default
-        if inverted:
-            value = "false" if value.lower() in ("true", "1", "yes") else "true"
-        out += [f"--{name}", value]
-    return out
-
-
-def check_flag_names(Args, argv):
-    """Every --flag of the command line is one of Args', or the error names the closest ones."""
-    import difflib
-
-    names = [f.name for f in fields(Args)]
-    for arg in argv:
-        if not arg.startswith("--") or arg in ("--help",):
-            continue
-        name = arg[2:].split("=")[0].replace("-", "_")
-        if name not in names:
-            near = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
-            hint = f"; did you mean {' or '.join('--' + n for n in near)}?" if near else ""
-            raise SystemExit(
-                f"{os.path.basename(sys.argv[0])}: unknown flag {arg.split('=')[0]}{hint} "
-                "(--help lists the flags)"
-            )
-
-
-def parse(Args, argv=None):
-    """The command line (default: sys.argv) read into the script's `Args`: verl's dotted keys
-    taken (`verl_flags`), an unknown flag or a word that is no flag's value named in a line."""
-    global PARSED_ARGV
-    argv = verl_flags(Args, list(sys.argv[1:] if argv is None else argv))
-    check_flag_names(Args, argv)
-    PARSED_ARGV = argv
-    parsed, rest = parser(Args).parse_args_into_dataclasses(
-        bare_switches(Args, argv), return_remaining_strings=True
-    )
-    need(not rest, f"not a flag or a flag's value: {' '.join(rest)} (--help lists the flags)")
-    return parsed

@@ -47,9 +47,10 @@ import ops
 import reward
 import sharding
 from batches import batch_metrics, round_metrics, validate
+from cli import given_flags, parse
 from data.dataset import load_rl_dataset
 from ending import StopRequest, fail, finished, watch_peers
-from flags import given_flags, need, parse
+from flags import need
 from metrics import (
     PHASES,
     Logger,

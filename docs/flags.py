@@ -9,7 +9,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from flags import DOCS, VERL  # noqa: E402
+from cli import VERL  # noqa: E402
+from flags import DOCS  # noqa: E402
 
 
 def rows():

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from transformers import HfArgumentParser
 
-import flags as run_flags
+import cli
 import train_grpo
 import train_ppo
 from tests.test_train_grpo import flags, make_assets, metrics_by_step
@@ -54,9 +54,7 @@ def test_there_are_the_recipes_the_docs_name():
 def test_every_flag_of_a_recipe_parses(path):
     script, words = command(path)
     Args = {"train_grpo.py": train_grpo.Args, "train_ppo.py": train_ppo.Args}[script]
-    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(
-        run_flags.bare_switches(Args, words)
-    )
+    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(cli.bare_switches(Args, words))
     assert args.model == "model" and args.train_files == "data/train.parquet"
     subprocess.run(["bash", "-n", str(path)], check=True)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import cli
 import flags
 import train_grpo
 import train_ppo
@@ -21,7 +22,7 @@ SCRIPTS = {"train_grpo.py": train_grpo.Args, "train_ppo.py": train_ppo.Args}
 def test_help_renders_each_flag_once_in_its_section(script, monkeypatch):
     Args = SCRIPTS[script]
     monkeypatch.setattr(sys, "argv", [script])
-    text = flags.parser(Args).format_help()
+    text = cli.parser(Args).format_help()
     assert "{'option_strings'" not in text  # a % in a help string once broke argparse
     for title in ["model and data", "generation", "memory", "speed", "rewards",
                   "steps, validation, checkpoints, stopping and logging"]:  # fmt: skip
@@ -32,7 +33,7 @@ def test_help_renders_each_flag_once_in_its_section(script, monkeypatch):
         shown = [line for line in lines if line.startswith(f"  --{f.name} ")]
         shown += [line for line in lines if line == f"  --{f.name}"]
         assert len(shown) == 1, f.name  # once, and without its --dashed-alias or --no_ twin
-        help = flags.help_text(f)
+        help = cli.help_text(f)
         assert len(help) <= 170, (f.name, help)  # a line or two; docs/flags.md has the rest
         assert help.count("default") <= 1 or "default:" not in help.split("(default:")[0], help
     assert "no_use_kl_loss" not in text and "--train-files" not in text
@@ -40,13 +41,13 @@ def test_help_renders_each_flag_once_in_its_section(script, monkeypatch):
 
 def test_a_flag_error_is_one_line_naming_the_closest_flags():
     with pytest.raises(SystemExit) as e:
-        flags.parse(train_grpo.Args, ["--modle", "x"])
+        cli.parse(train_grpo.Args, ["--modle", "x"])
     assert "unknown flag --modle; did you mean --model?" in str(e.value.code)
     with pytest.raises(SystemExit) as e:
-        flags.parse(train_grpo.Args, ["--critic_lr", "1e-5"])  # PPO's, not GRPO's
+        cli.parse(train_grpo.Args, ["--critic_lr", "1e-5"])  # PPO's, not GRPO's
     assert "unknown flag --critic_lr" in str(e.value.code)
     with pytest.raises(SystemExit) as e:
-        flags.parse(train_grpo.Args, ["stray", "--rollout_n", "4"])
+        cli.parse(train_grpo.Args, ["stray", "--rollout_n", "4"])
     assert "not a flag or a flag's value: stray" in str(e.value.code)
     for argv, message in [(["--modle", "x"], "did you mean --model?"),
                           (["--rollout_n", "x"], "invalid int value: 'x'")]:  # fmt: skip
@@ -82,7 +83,7 @@ trainer.save_freq=-1 trainer.test_freq=5 trainer.total_epochs=15
 
 def test_verls_command_line_is_taken_through_the_flags_table(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["train_grpo.py"])
-    args = flags.parse(train_grpo.Args, QWEN3_TUTORIAL)
+    args = cli.parse(train_grpo.Args, QWEN3_TUTORIAL)
     assert (args.model, args.train_files) == ("Qwen/Qwen3-1.7B", "/d/train.parquet")
     assert args.train_batch_size == 1024
     assert args.rollout_n == 3 and args.ppo_mini_batch_size == 80 and args.actor_lr == 1e-6
@@ -93,16 +94,16 @@ def test_verls_command_line_is_taken_through_the_flags_table(monkeypatch, capsys
     assert args.n_gpus_per_node == 1 and args.nnodes == 1
     assert "verl's trainer.critic_warmup has no meaning here: left out" in capsys.readouterr().err
     # the per-sequence micro-batches given this way count as given (verl's meaning kept)
-    assert "ppo_micro_batch_size_per_gpu" in flags.given_flags()
+    assert "ppo_micro_batch_size_per_gpu" in cli.given_flags()
     with pytest.raises(SystemExit, match="this one is train_grpo.py"):
-        flags.parse(train_grpo.Args, ["algorithm.adv_estimator=gae"])
+        cli.parse(train_grpo.Args, ["algorithm.adv_estimator=gae"])
     with pytest.raises(SystemExit, match="verl's trainer.foo: it has no counterpart here"):
-        flags.parse(train_grpo.Args, ["trainer.foo=3"])
+        cli.parse(train_grpo.Args, ["trainer.foo=3"])
     with pytest.raises(SystemExit, match="did you mean actor_rollout_ref.actor.optim.lr"):
-        flags.parse(train_grpo.Args, ["actor_rollout_ref.actor.optim.lrr=3"])
+        cli.parse(train_grpo.Args, ["actor_rollout_ref.actor.optim.lrr=3"])
     # Hydra's + prefix, null for the default, and verl's inverted enforce_eager
     hydra = ["+critic.optim.lr=2e-5", "data.val_files=null"]
-    args = flags.parse(train_ppo.Args, [*hydra, "actor_rollout_ref.rollout.enforce_eager=False"])
+    args = cli.parse(train_ppo.Args, [*hydra, "actor_rollout_ref.rollout.enforce_eager=False"])
     assert args.critic_lr == 2e-5 and args.val_files == train_ppo.Args().val_files
     assert args.rollout_compile is True
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+import cli
 import compile_ahead
-import flags
 import memory
 import metrics
 import ops
@@ -207,7 +207,7 @@ def test_where_the_defaults_do_not_fit_the_planner_turns_on_switches_until_they_
 
     cpu = torch.device("cpu")
     args, specs = qwen3_args(tmp_path, monkeypatch, gpu_memory_gib=40.0)
-    p = memory.plan_memory(args, specs, 1, cpu, 512, flags.given_flags())
+    p = memory.plan_memory(args, specs, 1, cpu, 512, cli.given_flags())
     assert p.good, p.table()
     assert args.ref_param_offload and args.enable_gradient_checkpointing
     assert not args.use_fused_kernels and not args.optimizer_offload
@@ -218,7 +218,7 @@ def test_where_the_defaults_do_not_fit_the_planner_turns_on_switches_until_they_
         "defaults, update_actor needs 36.6 GiB of 35.8",
     ]
     args, specs = qwen3_args(tmp_path, monkeypatch, gpu_memory_gib=24.0)
-    p = memory.plan_memory(args, specs, 1, cpu, 512, flags.given_flags())
+    p = memory.plan_memory(args, specs, 1, cpu, 512, cli.given_flags())
     assert p.good, p.table()
     switches = ("use_fused_kernels", "ref_param_offload", "optimizer_offload")
     assert all(getattr(args, name) for name in switches) and args.enable_gradient_checkpointing
@@ -229,7 +229,7 @@ def test_where_the_defaults_do_not_fit_the_planner_turns_on_switches_until_they_
     # given on the command line: left as given, and then nothing fits
     argv = ["--enable_gradient_checkpointing", "false", "--optimizer_offload", "false"]
     args, specs = qwen3_args(tmp_path, monkeypatch, argv, gpu_memory_gib=24.0)
-    p = memory.plan_memory(args, specs, 1, cpu, 512, flags.given_flags())
+    p = memory.plan_memory(args, specs, 1, cpu, 512, cli.given_flags())
     assert not args.enable_gradient_checkpointing and not args.optimizer_offload and not p.fits
     assert args.use_fused_kernels and args.ref_param_offload
     message = memory.plan_message(p, args, specs)
@@ -394,7 +394,7 @@ def test_the_flags_left_to_the_planner_and_those_given(tmp_path, monkeypatch):
         monkeypatch.setattr(sys, "argv", ["train_grpo.py", *argv])
         args = dataclasses.replace(train_grpo.Args(), model=model, **kw)
         specs = [m for m in train_grpo.models(args) if m]
-        return args, memory.plan_memory(args, specs, 1, cpu, 100, flags.given_flags())
+        return args, memory.plan_memory(args, specs, 1, cpu, 100, cli.given_flags())
 
     args, plan = resolved([])
     assert plan is None and args.use_dynamic_bsz is False and args.compile_update is False
@@ -419,7 +419,7 @@ def test_a_bare_switch_left_to_the_planner_reads_as_true():
     import train_grpo
 
     argv = ["--use_dynamic_bsz", "--actor_lr", "1e-6", "--compile_update", "--use_torch_compile"]
-    assert flags.bare_switches(train_grpo.Args, [*argv, "false"]) == [
+    assert cli.bare_switches(train_grpo.Args, [*argv, "false"]) == [
         "--use_dynamic_bsz",
         "true",
         "--actor_lr",
