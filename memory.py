@@ -36,6 +36,7 @@ CUDA context: `usable` leaves room for those).
 one (`fence`): torch's allocations in the trainer capped at G, the engine's share taken of G.
 """
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -96,9 +97,12 @@ def known_config(name):
     return None
 
 
+@functools.cache
 def config_of(path):
     """The config the planner reads for a model: a local folder's, a known hub id's shape (no
-    network), or the hub's config.json. Names --model and the ways out when none can be read."""
+    network), or the hub's config.json. Names --model and the ways out when none can be read.
+    Read once per process (the planner plans many times; a hub id means a network check); not to
+    be changed by its callers."""
     from transformers import AutoConfig
 
     local = os.path.isdir(os.path.expanduser(path))
@@ -301,13 +305,15 @@ def plan(
     engine_share=None,
     budgets=None,
     helper=0,
+    budget_floor=BUDGET_FLOOR,
 ):
     """Predict each phase's peak on one GPU for `models` (a list of `Part`, the policy first) and
     choose what is not given: the engine's share of the GPU (`engine_share`: what the trainer
     leaves, at most ENGINE_SHARE) and the token budgets (`budgets`, a dict by the parts' budget
     keys: each the largest multiple of 1,024 up to its cap at which every phase using it fits, at
     least one whole sequence). `helper`: bytes another process holds meanwhile (the compiling
-    helper), left out of what the trainer may use.
+    helper), left out of what the trainer may use. A budget chosen below `budget_floor` tokens
+    (0: no floor) is noted in `Plan.small`.
 
     prompt_len: the prompts' mean length in tokens (their maximum when the data is not read);
     response_len: --max_response_length; batch_seqs / mini_batch_seqs: the sequences of a step and
@@ -363,7 +369,7 @@ def plan(
             fits = [t for t in fits if all(sum(f(t).values()) <= usable for _, f in phases)]
             chosen[key] = max(fits or [max(longest, 1024)])
             seqs = mini_batch_seqs if key in {m.update for m in models if m.trained} else batch_seqs
-            if chosen[key] < min(BUDGET_FLOOR, seqs * longest):
+            if chosen[key] < min(budget_floor, seqs * longest):
                 small.append(key)
 
     if engine_share is None:
@@ -458,6 +464,7 @@ def memory_plan(args, specs, world, memory_bytes, prompt_len, budgets, compiled=
         engine_share=args.gpu_memory_utilization,
         budgets=budgets,
         helper=helper,
+        budget_floor=BUDGET_FLOOR if args.use_dynamic_bsz else 0,  # budgets in use, or not
     )
 
 
@@ -537,13 +544,10 @@ def plan_memory(args, specs, world, device, prompt_len, given, helper=None):
         chosen = {name: getattr(args, name) for name in names if getattr(args, name)}
         result = memory_plan(args, specs, world, memory_bytes, prompt_len, chosen)
 
-        def good(p):  # budgets matter with token budgets only
-            return p.good or (p.fits and not args.use_dynamic_bsz)
-
         worst = result.worst()
         turned = []  # each switch turned on until it fits, then those it fits without off again
         for name, why in remedies(args, specs):
-            if good(result):
+            if result.good:
                 break
             if name not in given and not getattr(args, name):
                 setattr(args, name, True)
@@ -552,7 +556,7 @@ def plan_memory(args, specs, world, device, prompt_len, given, helper=None):
         for name, why in reversed(turned if result.fits else []):
             setattr(args, name, False)
             without = memory_plan(args, specs, world, memory_bytes, prompt_len, chosen)
-            if good(without) or (without.fits and not good(result)):
+            if without.good or (without.fits and not result.good):
                 turned.remove((name, why))
                 result = without
             else:

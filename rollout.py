@@ -158,25 +158,24 @@ def graphs_without_compile(max_num_seqs: int) -> dict:
 ON_CPU = {"dtype": "float32", "enforce_eager": True}
 
 
+def _kept_by_reload(record):
+    """False for vLLM's "Failed to load weights" of a layer whose reload kept what it holds: the
+    rotary layer's cos/sin table, which it computes and no checkpoint has, and a tied output
+    layer's weight, which is the embeddings' (pushed as such). A push that misses a parameter is
+    refused all the same (`check_push`), and the engine's log-probs are checked against the
+    trainer's each step (rollout/logprob_gap_mean)."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    kept = ("RotaryEmbedding", "ParallelLMHead")
+    return not (record.msg == "%s: Failed to load weights" and args[:1] and args[0] in kept)
+
+
 def quiet_rotary_reload():
-    """Leave out vLLM's "Failed to load weights" of two layers at each push, which is how its
-    reload says it kept what the layer holds: the rotary layer's cos/sin table, which it computes
-    and no checkpoint has, and a tied output layer's weight, which is the embeddings' (pushed as
-    such). A push that misses a parameter is refused all the same (`check_push`), and the
-    engine's log-probs are checked against the trainer's each step (rollout/logprob_gap_mean)."""
+    """Leave out vLLM's harmless warnings at each push (`_kept_by_reload`)."""
     import logging
 
-    kept = {"RotaryEmbedding", "ParallelLMHead"}
-
-    def keep(record):
-        args = record.args if isinstance(record.args, tuple) else ()
-        return not (record.msg == "%s: Failed to load weights" and args[:1] and args[0] in kept)
-
     log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if keep not in log.filters and not any(
-        getattr(f, "__name__", "") == "keep" for f in log.filters
-    ):
-        log.addFilter(keep)
+    if _kept_by_reload not in log.filters:
+        log.addFilter(_kept_by_reload)
 
 
 class VLLMEngine:

@@ -23,6 +23,7 @@ step: compile_ahead.py) happens inside these calls.
 """
 
 import fcntl
+import functools
 import math
 import os
 import random
@@ -618,7 +619,7 @@ def plan_memory(run, world, prompt_len):
     helper = None
     if planned and compile_ahead.warms(args, gpu) and not args.val_only:
         config = memory.config_of(specs[0].path)
-        helper = lambda args: compile_ahead.helper_bytes(args, config, specs)  # noqa: E731
+        helper = functools.partial(compile_ahead.helper_bytes, config=config, specs=specs)
     return memory.plan_memory(args, specs, world, run.device, prompt_len, run.given, helper)
 
 
