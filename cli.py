@@ -4,7 +4,10 @@ flags they map to, through the table docs/flags.md is written from (`VERL`).
 """
 
 import argparse
+import difflib
+import inspect
 import os
+import re
 import sys
 from dataclasses import fields
 
@@ -187,8 +190,30 @@ class Parser(HfArgumentParser):
         self.exit(2, f"{self.prog}: {message} (--help lists the flags)\n")
 
 
+def sections(Args):
+    """--help's sections, {first flag: title}: in RunArgs and each script's Args, a comment right
+    above a field the class declares first (not one it re-declares) names a section from there on,
+    its title the comment up to its first ":" or " (". Read from the classes' source."""
+    titles, declared = {}, set()
+    for cls in reversed(Args.__mro__):
+        own = set(vars(cls).get("__annotations__", {}))
+        if not own:
+            continue
+        comment = []
+        for line in inspect.getsource(cls).splitlines():
+            if re.match(r"    # ", line):
+                comment.append(line.strip()[2:])
+                continue
+            field_name = re.match(r"    (\w+): ", line)
+            if field_name and comment and field_name[1] not in declared:
+                titles[field_name[1]] = re.split(r":| \(", " ".join(comment))[0]
+            comment = []
+        declared |= own
+    return titles
+
+
 def parser(Args):
-    """The script's parser: HfArgumentParser for the types, its --help in `SECTIONS`."""
+    """The script's parser: HfArgumentParser for the types, its --help in `sections`."""
     script = os.path.basename(sys.argv[0]) or "train.py"
     doc = (sys.modules["__main__"].__doc__ or "").strip().split("\n\n")[0]
     p = Parser(
@@ -200,14 +225,12 @@ def parser(Args):
         "(data.train_batch_size=4) are taken as well.",
         formatter_class=HelpFormatter,
     )
-    sections = {}  # this module's, then each script's (a module-level SECTIONS beside its Args)
-    for cls in reversed(Args.__mro__):
-        sections |= getattr(sys.modules.get(cls.__module__), "SECTIONS", {})
+    titles = sections(Args)
     options = p._action_groups[1]  # argparse's "options", where every flag starts
     group = options
     for f in fields(Args):
-        if f.name in sections:
-            group = p.add_argument_group(sections[f.name])
+        if f.name in titles:
+            group = p.add_argument_group(titles[f.name])
         for action in [a for a in p._actions if a.dest == f.name]:
             if action.option_strings[0].startswith("--no_"):  # --no_X: the same as --X false
                 action.help = argparse.SUPPRESS
@@ -253,8 +276,6 @@ def verl_flags(Args, argv):
     """verl's `section.key=value` arguments (Hydra's, as in verl's tutorials) as this script's
     flags; a key with no counterpart is named. Hydra's `+` prefixes are taken, `null` leaves the
     default."""
-    import re
-
     names = {f.name: f for f in fields(Args)}
     keys, out, script = verl_keys(), [], os.path.basename(sys.argv[0])
     for arg in argv:
@@ -274,8 +295,6 @@ def verl_flags(Args, argv):
             print(f"{script}: verl's {key} has no meaning here: left out", file=sys.stderr)
             continue
         if key not in keys:
-            import difflib
-
             near = difflib.get_close_matches(key, list(keys), n=2, cutoff=0.75)
             hint = f"; did you mean {' or '.join(near)}?" if near else ""
             why = VERL_ELSEWHERE.get(key, "it has no counterpart here")
@@ -292,8 +311,6 @@ def verl_flags(Args, argv):
 
 def check_flag_names(Args, argv):
     """Every --flag of the command line is one of Args', or the error names the closest ones."""
-    import difflib
-
     names = [f.name for f in fields(Args)]
     for arg in argv:
         if not arg.startswith("--") or arg in ("--help",):

@@ -54,8 +54,10 @@ def check_ranges(args):
 class RunArgs:
     """The flags every train script shares: model and data, the engine, micro-batches, the learning
     rate's schedule, memory, speed, reward and trainer. A script's Args adds its algorithm's flags
-    and may re-declare a field here to change its default (its reference run's)."""
+    and may re-declare a field here to change its default (its reference run's). A comment right
+    above a field names the section of --help that starts there (`cli.sections`)."""
 
+    # model and data
     model: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local folder")
     train_files: str = flag("~/data/gsm8k/train.parquet", "parquet, comma-separated")
     val_files: str = flag("~/data/gsm8k/test.parquet", "parquet, comma-separated")
@@ -64,7 +66,7 @@ class RunArgs:
     max_response_length: int = flag(1024, "tokens generated at most", ge=1)
     filter_overlong_prompts: bool = flag(False, "drop prompts over max_prompt_length")
     truncation: str = flag("error", "overlong prompts when not filtered: error|left|right")
-    # rollout
+    # generation: the engine and its sampling
     rollout_engine: str = flag("vllm", "vllm | hf (transformers generate)")
     temperature: float = flag(1.0, "sampling temperature", gt=0)
     top_p: float = flag(1.0, "nucleus sampling", gt=0, le=1)
@@ -114,7 +116,8 @@ class RunArgs:
     rollout_n: int = flag(5, "responses per prompt (GRPO's group size)", ge=1)
     ppo_mini_batch_size: int = flag(64, "prompts per optimizer step (x rollout_n inside)", ge=1)
     ppo_epochs: int = flag(1, "passes over each batch", ge=1)
-    # micro-batches: each pass's size, by count or (--use_dynamic_bsz) by token budget
+    # micro-batches and the memory plan: each pass's size, by count or (--use_dynamic_bsz) by
+    # token budget
     ppo_micro_batch_size_per_gpu: int = flag(4, "sequences per forward/backward", ge=1)
     log_prob_micro_batch_size_per_gpu: int = flag(8, "sequences per log-prob forward", ge=1)
     use_dynamic_bsz: bool | None = flag(
@@ -286,7 +289,7 @@ class RunArgs:
             "in-process engine where the passes compile"
         ),
     )
-    # reward
+    # rewards
     custom_reward_function_path: str | None = flag(None, "a .py file")
     custom_reward_function_name: str = flag("compute_score", "function in that file")
     reward_errors: str = flag(
@@ -305,7 +308,7 @@ class RunArgs:
         "in worker processes (at least one, --reward_workers)",
         gt=0,
     )
-    # trainer
+    # steps, validation, checkpoints, stopping and logging
     total_epochs: int = flag(15, "passes over the training prompts", ge=1)
     total_training_steps: int | None = flag(None, "overrides total_epochs", ge=1)
     save_freq: int = flag(
@@ -316,8 +319,12 @@ class RunArgs:
         also=(-1,),
     )
     test_freq: int = flag(10, "validate every N steps (-1: never)", ge=1, also=(-1,))
-    # verl's default is True; its GSM8K tutorials (PPO and GRPO) pass False, and so do we
-    val_before_train: bool = flag(False, "validate before the first step")
+    val_before_train: bool = flag(
+        False,
+        "validate before the first step",
+        doc="validate before the first step (verl's default is True; its GSM8K tutorials, PPO and "
+        "GRPO, pass False, and so do we)",
+    )
     val_only: bool = flag(False, "only evaluate --model (or the checkpoint) and exit")
     stop_grace_s: float = flag(
         25.0,
@@ -500,20 +507,3 @@ def check_batch_args(args, world_size):
         "collectives would run beside the trainer's in another thread, in no fixed order between "
         "ranks",
     )
-
-
-# the --help's sections, each named where its first flag is (a script adds its own Args' sections
-# in a SECTIONS of its own)
-SECTIONS = {
-    "model": "model and data",
-    "rollout_engine": "generation",
-    "rollout_n": "samples and mini-batches",
-    "ppo_micro_batch_size_per_gpu": "micro-batches and the memory plan",
-    "lr_warmup_steps": "the learning rate",
-    "rollout_is": "the engine's sampling against the trainer's",
-    "filter_groups": "a step's batch: dynamic sampling, the skip, off-policy generation",
-    "enable_gradient_checkpointing": "memory",
-    "use_torch_compile": "speed",
-    "custom_reward_function_path": "rewards",
-    "total_epochs": "steps, validation, checkpoints, stopping and logging",
-}

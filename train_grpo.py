@@ -31,9 +31,6 @@ from flags import flag
 from metrics import Timer
 from models import Model
 
-# --help's sections of Args' flags, by their first (flags.SECTIONS: the shared flags')
-SECTIONS = {"actor_lr": "the update: the clipped surrogate, the loss aggregation, the KL"}
-
 
 @dataclass
 class Args(flags.RunArgs):

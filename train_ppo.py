@@ -31,13 +31,6 @@ from flags import flag
 from metrics import Timer
 from models import Model
 
-# --help's sections of Args' flags, by their first (flags.SECTIONS: the shared flags')
-SECTIONS = {
-    "actor_lr": "the actor's update: the clipped surrogate, the KL to the reference",
-    "gamma": "advantages (GAE)",
-    "critic_model": "the critic",
-}
-
 
 @dataclass
 class Args(flags.RunArgs):
