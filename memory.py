@@ -513,14 +513,59 @@ def advice(args, specs, world, prompt_len, budgets, gpu_bytes, given):
     return tips
 
 
+def fit_with_switches(args, specs, given, replan):
+    """`replan()`, the plan for the flags as they are, with `remedies` turned on one by one, the
+    cheapest first, until it is `good`, then off again those it does without; a switch given on
+    the command line (`given`) stays as given. The plan's notes say which were turned on and why."""
+    result = replan()
+    worst = result.worst()
+    turned = []
+    for name, why in remedies(args, specs):
+        if result.good:
+            break
+        if name not in given and not getattr(args, name):
+            setattr(args, name, True)
+            turned.append((name, why))
+            result = replan()
+    for name, why in reversed(turned if result.fits else []):
+        setattr(args, name, False)
+        without = replan()
+        if without.good or (without.fits and not result.good):
+            turned.remove((name, why))
+            result = without
+        else:
+            setattr(args, name, True)
+    result.notes = [f"turned on --{name} ({why})" for name, why in turned]
+    if turned:
+        result.notes[-1] += f": with the defaults, {worst}"
+    return result
+
+
+def plan_first_step(args, given, replan, budgets, helper, result):
+    """--warm_compile_caches' first step, eager beside the compiling helper's `helper` bytes, as
+    `result.first`; where it does not fit (and the flag was not given) the helper is left out and
+    the first step compiles as the others do, which the notes say."""
+    first = replan(budgets, compiled=False, helper=helper)
+    if first.fits or "warm_compile_caches" in given:
+        result.first, result.helper = first, helper
+        return
+    args.warm_compile_caches = False
+    peak = max(p for p, _ in first.phases.values())
+    result.notes.append(
+        f"left out the compiling helper (--warm_compile_caches false): the first step, eager, "
+        f"needs up to {peak / GiB:.1f} GiB, and beside the helper's {helper / GiB:.1f} GiB "
+        f"{first.usable / GiB:.1f} GiB are left; the first step compiles its passes"
+    )
+
+
 def plan_memory(args, specs, world, device, prompt_len, given, helper=None):
     """Fill the speed and memory flags left to their defaults: on a GPU (or for --gpu_memory_gib),
     micro-batches by the token budgets the memory planner picks, the update compiled, the engine's
     share of what the trainer leaves; on a CPU, the small fixed ones. Where the defaults do not
     fit, it turns on `remedies` one by one until they do, and, with the compiling helper
     (`helper`: its bytes as a function of the flags, once the budgets are chosen; None without
-    it), plans the first step eager beside it or leaves the
-    helper out (--warm_compile_caches false) where that does not fit. Returns the plan (None on a
+    it), plans the first step eager beside it or leaves the helper out (--warm_compile_caches
+    false) where that does not fit. Returns the plan (None on a
     CPU without --gpu_memory_gib). A flag given on the command line (`given`) always wins, and a
     per-sequence micro-batch size given there keeps verl's meaning (no token budgets)."""
     gpu = device.type == "cuda"
@@ -542,52 +587,22 @@ def plan_memory(args, specs, world, device, prompt_len, given, helper=None):
     result = None
     if memory_bytes:
         chosen = {name: getattr(args, name) for name in names if getattr(args, name)}
-        result = memory_plan(args, specs, world, memory_bytes, prompt_len, chosen)
 
-        worst = result.worst()
-        turned = []  # each switch turned on until it fits, then those it fits without off again
-        for name, why in remedies(args, specs):
-            if result.good:
-                break
-            if name not in given and not getattr(args, name):
-                setattr(args, name, True)
-                turned.append((name, why))
-                result = memory_plan(args, specs, world, memory_bytes, prompt_len, chosen)
-        for name, why in reversed(turned if result.fits else []):
-            setattr(args, name, False)
-            without = memory_plan(args, specs, world, memory_bytes, prompt_len, chosen)
-            if without.good or (without.fits and not result.good):
-                turned.remove((name, why))
-                result = without
-            else:
-                setattr(args, name, True)
-        result.notes = [f"turned on --{name} ({why})" for name, why in turned]
-        if turned:
-            result.notes[-1] += f": with the defaults, {worst}"
+        def replan(budgets=chosen, compiled=True, helper=0):
+            return memory_plan(
+                args, specs, world, memory_bytes, prompt_len, budgets, compiled, helper
+            )
+
+        result = fit_with_switches(args, specs, given, replan)
         if not result.fits:
             result.advice = advice(args, specs, world, prompt_len, chosen, memory_bytes, given)
-    if result is not None:
         for name in names:
             setattr(args, name, getattr(args, name) or result.budgets[name])
         if args.gpu_memory_utilization is None:
             args.gpu_memory_utilization = math.floor(result.engine_share * 100) / 100
         if helper is not None and args.use_dynamic_bsz and result.fits:
-            helper = helper(args)
             given_budgets = {name: getattr(args, name) for name in names if name in given}
-            first = memory_plan(
-                args, specs, world, memory_bytes, prompt_len, given_budgets, False, helper
-            )
-            if first.fits or "warm_compile_caches" in given:
-                result.first, result.helper = first, helper
-            else:
-                args.warm_compile_caches = False
-                peak = max(p for p, _ in first.phases.values())
-                result.notes.append(
-                    f"left out the compiling helper (--warm_compile_caches false): the first step, "
-                    f"eager, needs up to {peak / GiB:.1f} GiB, and beside the helper's "
-                    f"{helper / GiB:.1f} GiB {first.usable / GiB:.1f} GiB are left; the first step "
-                    "compiles its passes"
-                )
+            plan_first_step(args, given, replan, given_budgets, helper(args), result)
     for name in names:  # a CPU's, or the per-sequence micro-batches' unused ones
         setattr(args, name, getattr(args, name) or 16384)
     if args.gpu_memory_utilization is None:

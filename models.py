@@ -10,6 +10,7 @@ model adds an entry.
 """
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 
@@ -87,6 +88,7 @@ def reachable(url, timeout=5.0):
     return bool(answered)
 
 
+@functools.cache  # once per model and process (the planner's config_of asks again)
 def check_source(path, flag="--model"):
     """A model named as on the hub that cannot be had, named within seconds with the ways out,
     instead of the hub's retries (about a minute) and a traceback: not in the hub's cache with

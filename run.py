@@ -511,8 +511,8 @@ def start(args, check_args, declare_models):
         run.gpu_bytes = torch.cuda.get_device_properties(device).total_memory
         if args.gpu_memory_gib:  # behave as on a GPU of that size
             memory.fence(args, device)
-    for path in dict.fromkeys(spec.path for spec in specs):  # hub ids: reachable, or cached
-        if not args.print_plan:  # which reads configs only (memory.config_of)
+    if not args.print_plan:  # which reads configs only (memory.config_of)
+        for path in dict.fromkeys(spec.path for spec in specs):  # hub ids: reachable, or cached
             models.check_source(path, "--model" if path == args.model else "the model")
     if device.type == "cpu" and rank == 0 and not args.print_plan:
         print(
@@ -629,18 +629,18 @@ def launch(main, Args):
     try:
         main(parsed)
     except BaseException as error:
-        if isinstance(error, SystemExit) and error.code in (0, None) and not finished.is_set():
+        clean = isinstance(error, SystemExit) and error.code in (0, None)
+        if clean and not finished.is_set():
             # sys.exit() from somewhere the run did not mean to end (user code, a library): not
-            # a finished run, so not status 0
+            # a finished run, so not status 0 (--print_plan's exit is one: it sets `finished`)
             frame = traceback.extract_tb(error.__traceback__)[-1]
             error = SystemExit(
                 f"{os.path.basename(sys.argv[0])}: the run ended by sys.exit({error.code!r}) at "
                 f"{frame.filename}:{frame.lineno} before it finished; the same command with "
                 "--resume_mode auto continues from the last checkpoint"
             )
-        if isinstance(error, SystemExit) and error.code in (0, None):  # --print_plan: done
-            pass
-        elif dist.is_initialized() and dist.get_world_size() > 1:
+            clean = False
+        if not clean and dist.is_initialized() and dist.get_world_size() > 1:
             fail(error)  # ends the process
         reward.close_all()
         raise error from None
