@@ -276,7 +276,7 @@ def verl_flags(Args, argv):
     """verl's `section.key=value` arguments (Hydra's, as in verl's tutorials) as this script's
     flags; a key with no counterpart is named. Hydra's `+` prefixes are taken, `null` leaves the
     default."""
-    names = {f.name: f for f in fields(Args)}
+    names = {f.name for f in fields(Args)}
     keys, out, script = verl_keys(), [], os.path.basename(sys.argv[0])
     for arg in argv:
         m = re.fullmatch(r"\+{0,2}([A-Za-z_]\w*(?:\.\w+)+)=(.*)", arg)
@@ -300,7 +300,7 @@ def verl_flags(Args, argv):
             why = VERL_ELSEWHERE.get(key, "it has no counterpart here")
             need(False, f"verl's {key}: {why}{hint} (docs/flags.md maps verl's keys to flags)")
         name, inverted = keys[key]
-        value = value.strip().strip("'\"").replace("'", "").replace('"', "")
+        value = value.replace("'", "").replace('"', "").strip()  # Hydra's quotes, ['a','b'] too
         if value.lower() in ("null", "none", "~"):
             continue  # the default
         if inverted:
@@ -316,13 +316,9 @@ def check_flag_names(Args, argv):
         if not arg.startswith("--") or arg in ("--help",):
             continue
         name = arg[2:].split("=")[0].replace("-", "_")
-        if name not in names:
-            near = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
-            hint = f"; did you mean {' or '.join('--' + n for n in near)}?" if near else ""
-            raise SystemExit(
-                f"{os.path.basename(sys.argv[0])}: unknown flag {arg.split('=')[0]}{hint} "
-                "(--help lists the flags)"
-            )
+        near = [] if name in names else difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+        hint = f"; did you mean {' or '.join('--' + n for n in near)}?" if near else ""
+        need(name in names, f"unknown flag {arg.split('=')[0]}{hint} (--help lists the flags)")
 
 
 def parse(Args, argv=None):
