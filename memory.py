@@ -33,7 +33,8 @@ H200's peaks, docs/benchmarks.md). Everything is in bytes; the table prints GiB,
 CUDA context: `usable` leaves room for those).
 
 --gpu_memory_gib G plans for a GPU of G GiB and, on a larger one, makes the run behave as on that
-one (`fence`): torch's allocations in the trainer capped at G, the engine's share taken of G.
+one (`fence`): torch's allocations in the trainer capped at G (the sleeping engine's released
+memory, which torch goes on counting, left out), the engine's share taken of G.
 """
 
 import functools
@@ -633,7 +634,12 @@ def plan_message(plan, args, specs):
 def fence(args, device):
     """--gpu_memory_gib G on a GPU that holds more: cap this process's torch allocations at G GiB
     (torch's per-process memory fraction; the in-process engine allocates through torch too).
-    Returns the GPU's total bytes."""
+
+    Returns `allow(unbacked)`, which the in-process engine calls as it sleeps and wakes: vLLM's
+    sleep mode releases the memory of its weights and KV cache but keeps their tensors, and torch's
+    allocator goes on counting them (the engine's `unbacked_bytes`). A cap fixed at G would leave
+    the update G less the engine's whole pool; raised by those bytes, it leaves the update what a
+    GPU of G GiB would."""
     import torch
 
     from flags import need
@@ -645,8 +651,12 @@ def fence(args, device):
         f"--gpu_memory_gib {args.gpu_memory_gib}: this GPU holds {total / GiB:.1f} GiB; give at "
         "most that, or leave it out",
     )
-    torch.cuda.set_per_process_memory_fraction(cap / total, device)
-    return total
+
+    def allow(unbacked=0):
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (cap + unbacked) / total), device)
+
+    allow()
+    return allow
 
 
 def engine_utilization(args, total):

@@ -199,7 +199,10 @@ class VLLMEngine:
         max_num_seqs: int = 1024,
         torch_compile: bool = False,
         kv_cache_memory_bytes: int | None = None,
+        fence=None,
     ):
+        """`fence`, where --gpu_memory_gib caps this process (memory.fence), is called with
+        `unbacked_bytes()` each time the engine sleeps or wakes."""
         from vllm import LLM  # imported here: importing rollout must not need vLLM
 
         # vLLM's engine core runs in this process: required to pass weight iterators to it.
@@ -239,6 +242,8 @@ class VLLMEngine:
             **kwargs,
         )
         self.sleeping = False
+        self.woken = set()  # the tags of the sleep-mode pool woken again while self.sleeping
+        self.fence = fence
 
     def generate(
         self,
@@ -306,7 +311,7 @@ class VLLMEngine:
         anyway."""
         if self.on_gpu and not self.sleeping:
             self.llm.sleep(level=2)
-            self.sleeping = True
+            self._woken(set())
 
     def wake_up(self) -> None:
         """Re-allocate weights and KV cache. After a level-2 sleep the weights hold garbage until
@@ -314,7 +319,14 @@ class VLLMEngine:
         tests."""
         if self.on_gpu and self.sleeping:
             self.llm.wake_up()
-        self.sleeping = False
+        self._woken(None)
+
+    def _woken(self, tags):
+        """After a sleep or a wake: the tags of the pool woken again (None: all, the engine awake;
+        an empty set: asleep)."""
+        self.sleeping, self.woken = tags is not None, tags or set()
+        if self.fence is not None:
+            self.fence(self.unbacked_bytes())
 
     def unbacked_bytes(self) -> int:
         """GPU bytes that torch's allocator counts as allocated but the sleeping engine holds no
@@ -324,7 +336,8 @@ class VLLMEngine:
             return 0
         from vllm.device_allocator.cumem import CuMemAllocator
 
-        return CuMemAllocator.get_instance().get_current_usage()
+        pool = CuMemAllocator.get_instance().pointer_to_data.values()
+        return sum(data.handle[1] for data in pool if data.tag not in self.woken)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full tensors named as in the Hugging Face checkpoint into the engine.
@@ -338,6 +351,7 @@ class VLLMEngine:
         if self.on_gpu and self.sleeping:
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
+            self._woken({"weights"})
         pushed = set()
         named_tensors = counted(named_tensors, pushed)
         if self.on_gpu:
@@ -353,7 +367,7 @@ class VLLMEngine:
         if self.on_gpu and self.sleeping:
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["kv_cache"])
-            self.sleeping = False
+            self._woken(None)
         self.llm.reset_prefix_cache()
 
 
@@ -577,9 +591,10 @@ def turn_to_generate(engine=None):
         yield
 
 
-def make_engine(kind: str, model_path: str, engines_per_gpu: int = 1, **kwargs):
+def make_engine(kind: str, model_path: str, engines_per_gpu: int = 1, fence=None, **kwargs):
     """`--rollout_engine vllm|hf`; `--engines_per_gpu` above 1: an EnginePool of that many vLLM
-    engines."""
+    engines. `fence` (memory.fence) follows the in-process vLLM engine's sleep; a pool's engines
+    sleep in processes of their own, whose memory torch does not count in this one."""
     if engines_per_gpu > 1 and kind != "vllm":
         raise ValueError(f"--engines_per_gpu {engines_per_gpu} needs --rollout_engine vllm")
     if kind == "vllm":
@@ -587,7 +602,7 @@ def make_engine(kind: str, model_path: str, engines_per_gpu: int = 1, **kwargs):
             from engine_pool import EnginePool  # (engine_pool.py builds on this module)
 
             return EnginePool(model_path, engines=engines_per_gpu, **kwargs)
-        return VLLMEngine(model_path, **kwargs)
+        return VLLMEngine(model_path, fence=fence, **kwargs)
     if kind == "hf":
         return HFEngine(
             model_path,

@@ -150,6 +150,7 @@ class Run:
         self.step, self.loaded, self.optimizers, self.schedulers = 0, {}, {}, {}
         self.state, self.last_row, self.plan, self.warm = {}, None, None, None
         self.gpu_bytes = None  # the GPU's own size, where there is one
+        self.fence = None  # with --gpu_memory_gib on a larger GPU: memory.fence's cap
         self.engine, self.logger, self.stop, self.bar, self.stopping = None, None, None, None, False
         self.given = given_flags()  # the flags named on the command line
 
@@ -269,6 +270,7 @@ class Run:
             engines_per_gpu=args.engines_per_gpu,
             tensor_parallel_size=args.tensor_model_parallel_size,
             gpu_memory_utilization=memory.engine_utilization(args, self.gpu_bytes),
+            fence=self.fence,
             max_num_seqs=args.max_num_seqs,
             torch_compile=args.rollout_compile,
             seed=args.seed,
@@ -510,7 +512,7 @@ def start(args, check_args, declare_models):
     if device.type == "cuda":
         run.gpu_bytes = torch.cuda.get_device_properties(device).total_memory
         if args.gpu_memory_gib:  # behave as on a GPU of that size
-            memory.fence(args, device)
+            run.fence = memory.fence(args, device)
     if not args.print_plan:  # which reads configs only (memory.config_of)
         for path in dict.fromkeys(spec.path for spec in specs):  # hub ids: reachable, or cached
             models.check_source(path, "--model" if path == args.model else "the model")

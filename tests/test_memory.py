@@ -359,8 +359,12 @@ def test_a_smaller_gpu_on_a_larger_one_caps_the_trainer_and_the_engines_share(mo
         torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: fractions.append(f)
     )
     args = SimpleNamespace(gpu_memory_gib=24.0, gpu_memory_utilization=0.55)
-    assert memory.fence(args, "cuda:0") == total
+    allow = memory.fence(args, "cuda:0")
     assert fractions == [pytest.approx(24 / 139.8)]
+    allow(10 * GiB)  # a sleeping engine's pool, which torch goes on counting, left out
+    assert fractions[-1] == pytest.approx(34 / 139.8)
+    allow(200 * GiB)
+    assert fractions[-1] == 1.0
     share = memory.engine_utilization(args, total)
     assert share == pytest.approx(0.55 * 24 / 139.8) and round(share * 139.8, 1) == 13.2
     args.gpu_memory_gib = None
@@ -374,6 +378,61 @@ def test_a_smaller_gpu_on_a_larger_one_caps_the_trainer_and_the_engines_share(mo
     assert run.planned_world(plain, 4) == 4
     assert run.planned_world(SimpleNamespace(n_gpus_per_node=8, nnodes=None), 4) == 16
     assert run.planned_world(SimpleNamespace(n_gpus_per_node=8, nnodes=4), 1) == 32
+
+
+def test_the_cap_follows_the_engines_sleep(monkeypatch):
+    """The in-process engine's sleep releases its pool (1 GiB of weights, 9 of KV cache here) while
+    torch goes on counting it: asleep, the 24 GiB cap of a 139.8 GiB GPU is 34 GiB of torch's
+    count; during a push, with the weights woken, 33; awake again, 24."""
+    import torch
+    from vllm.device_allocator import cumem
+
+    import rollout
+
+    fractions, during_push = [], []
+    total = int(139.8 * GiB)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=total)
+    )
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: fractions.append(f)
+    )
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    pool = {
+        1: SimpleNamespace(tag="weights", handle=(0, 1 * GiB)),
+        2: SimpleNamespace(tag="kv_cache", handle=(0, 9 * GiB)),
+    }
+    monkeypatch.setattr(
+        cumem.CuMemAllocator, "get_instance", lambda: SimpleNamespace(pointer_to_data=pool)
+    )
+
+    def load_weights(named_tensors):
+        for _ in named_tensors:
+            during_push.append(fractions[-1] * 139.8)
+
+    class LLM:  # vLLM's side of the in-process engine
+        def sleep(self, level):
+            assert level == 2
+
+        def wake_up(self, tags=None):
+            pass
+
+        def apply_model(self, fn):
+            fn(SimpleNamespace(load_weights=load_weights))
+
+        def reset_prefix_cache(self):
+            pass
+
+    engine = object.__new__(rollout.VLLMEngine)  # its vLLM replaced by the stand-in above
+    engine.on_gpu, engine.llm, engine.expected = True, LLM(), {"w"}
+    engine.fence = memory.fence(SimpleNamespace(gpu_memory_gib=24.0), "cuda:0")
+    engine._woken(None)
+    assert engine.unbacked_bytes() == 0 and fractions[-1] * 139.8 == pytest.approx(24)
+    engine.sleep()
+    assert engine.unbacked_bytes() == 10 * GiB and fractions[-1] * 139.8 == pytest.approx(34)
+    engine.update_weights([("w", torch.zeros(1))])
+    assert during_push == [pytest.approx(33)]
+    assert not engine.sleeping and fractions[-1] * 139.8 == pytest.approx(24)
 
 
 def test_the_flags_left_to_the_planner_and_those_given(tmp_path, monkeypatch):

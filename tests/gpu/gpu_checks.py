@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import tempfile
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 import checkpoint  # noqa: E402
+import memory  # noqa: E402
 import ops  # noqa: E402
 import passes  # noqa: E402
 import sharding  # noqa: E402
@@ -30,6 +32,16 @@ GPU = torch.cuda.is_available()
 def used_gib():
     free, total = torch.cuda.mem_get_info()
     return (total - free) / 2**30
+
+
+def fits(gib, device):
+    """Whether torch can allocate `gib` GiB more (and gives them back)."""
+    try:
+        torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError:
+        return False
+    torch.cuda.empty_cache()
+    return True
 
 
 def varlen_attention_check(device):
@@ -225,6 +237,21 @@ def main(model_path, out_path):
         res["used_asleep_gib"] = used_gib()
     push()
     res["sync_from_sleep_same_output"] = greedy() == before
+
+    # --gpu_memory_gib's cap 2 GiB above what torch holds with the engine awake: 3 GiB more do not
+    # fit awake, and do asleep, where the cap leaves out the released pool torch goes on counting
+    if GPU:
+        torch.cuda.empty_cache()
+        cap = (torch.cuda.memory_reserved() + 2 * 2**30) / 2**30
+        engine.fence = memory.fence(SimpleNamespace(gpu_memory_gib=cap), device)
+        res["fenced_3gib_fit_awake"] = fits(3, device)
+        engine.sleep()
+        released = engine.unbacked_bytes() / 2**30
+        res["fenced_3gib_fit_asleep"] = fits(3, device)
+        res["fenced_beyond_release_fits_asleep"] = fits(released + 3, device)
+        engine.fence = None
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        push()
 
     # checkpoint round trip on GPU, and an export that plain vLLM loads and generates identically
     with tempfile.TemporaryDirectory() as tmp:

@@ -80,6 +80,9 @@ def test_engine_on_gpu(tmp_path):
     # sleeping released the pool
     assert res["unbacked_gib_asleep"] <= res["freed_by_sleep_gib"] + 0.5
     assert 0 <= res["allocated_less_unbacked_gib"] <= res["used_asleep_gib"]
+    # --gpu_memory_gib's cap follows the engine's sleep, and holds asleep too
+    assert not res["fenced_3gib_fit_awake"] and res["fenced_3gib_fit_asleep"]
+    assert not res["fenced_beyond_release_fits_asleep"]
     # no torch.compile
     assert res["engine_compilation"] == {
         "mode": 0,
