@@ -501,7 +501,7 @@ def test_update_weights_returns_the_trainers_cached_memory_before_each_wake(monk
             calls.append("reset prefix cache")
 
     engine = object.__new__(rollout.VLLMEngine)  # the GPU path without a GPU
-    engine.llm, engine.on_gpu, engine.sleeping = FakeLLM(), True, True
+    engine.llm, engine.on_gpu, engine.sleeping, engine.fence = FakeLLM(), True, True, None
     engine.expected = set()  # the fake loads nothing
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     engine.update_weights(iter([]))
