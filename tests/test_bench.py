@@ -551,12 +551,12 @@ def test_limit_kills_workers_that_outlive_the_grace_period(tmp_path):
     assert not [pid for pid in pids if running(pid)]
 
 
-@pytest.mark.parametrize("after", ["", " && true"])
-def test_limit_signals_the_workers_and_lets_them_finish(tmp_path, after):
+def test_limit_signals_the_workers_and_lets_them_finish(tmp_path):
     """bench/limit.sh at its limit signals torchrun's workers only: torchrun, told to give them 1 s
     after a signal of its own, waits for them as they take 4 s to checkpoint and exit cleanly. Also
     when a command follows torchrun's: its shell then waits for torchrun, and its command line names
-    it. A torchrun whose workers have not started yet gets the signal itself."""
+    it (the two commands run side by side). A torchrun whose workers have not started yet gets the
+    signal itself."""
     import subprocess
     import time
 
@@ -564,33 +564,42 @@ def test_limit_signals_the_workers_and_lets_them_finish(tmp_path, after):
     script = tmp_path / "slow_stop.py"
     script.write_text(SLOW_STOP)
     env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1"}
-    cmd = (
-        f"{sys.executable} -m torch.distributed.run --nproc_per_node=2 --master_port 0 {script} "
-        f"{tmp_path}/saved{after}"
-    )
+
+    def command(saved):
+        return (
+            f"{sys.executable} -m torch.distributed.run --nproc_per_node=2 --master_port 0 "
+            f"{script} {tmp_path}/{saved}"
+        )
+
+    def limit(seconds, grace, cmd):
+        return subprocess.Popen(
+            ["bash", os.path.join(root, "bench/limit.sh"), str(seconds), str(grace), cmd],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
     start = time.monotonic()
     # 15 s: the workers have started and set their handler by then, on a slow machine too (a 2-core
     # machine took more than 2 s)
-    proc = subprocess.run(
-        ["bash", os.path.join(root, "bench/limit.sh"), "15", "60", cmd],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.glob("saved.*")) == ["saved.0", "saved.1"]
+    runs = {
+        after: limit(15, 60, command(f"saved{i}") + after)
+        for i, after in enumerate(["", " && true"])
+    }
+    for after, proc in runs.items():
+        output = proc.communicate(timeout=120)[0]
+        assert proc.returncode == 0, (after, output[-5000:])
+    for i in range(2):
+        assert sorted(p.name for p in tmp_path.glob(f"saved{i}.*")) == [
+            f"saved{i}.0",
+            f"saved{i}.1",
+        ]
     assert time.monotonic() - start < 50  # ended with the workers, not at the grace period's end
     # a limit reached before torchrun has started its workers stops torchrun itself, at once
     start = time.monotonic()
-    early = cmd.replace(f"{tmp_path}/saved", f"{tmp_path}/early")
-    proc = subprocess.run(
-        ["bash", os.path.join(root, "bench/limit.sh"), "0", "60", early],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = limit(0, 60, command("early"))
+    proc.communicate(timeout=120)
     # no worker ran to checkpoint
     assert proc.returncode != 0 and not list(tmp_path.glob("early.*"))
     assert time.monotonic() - start < 30  # not at the grace period's end
