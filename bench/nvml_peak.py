@@ -46,7 +46,9 @@ def reader(gpu):
         n = ctypes.c_uint(len(procs))
         if nvml.nvmlDeviceGetComputeRunningProcesses_v3(handle, ctypes.byref(n), procs) != 0:
             n.value = 0
-        return m.used, {procs[i].pid: procs[i].usedGpuMemory for i in range(n.value)}
+        # a count the driver cannot give (in some containers) reads as 2**64 - 1: left out
+        procs_used = {procs[i].pid: procs[i].usedGpuMemory for i in range(n.value)}
+        return m.used, {pid: used for pid, used in procs_used.items() if used < 2**63}
 
     return read
 
