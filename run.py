@@ -264,6 +264,7 @@ class Run:
         helper's graphs after it."""
         args, device = self.args, self.device
         self.models_loaded = seconds_since_launch()
+        on_gpu = device.type == "cuda"
         engine = make_engine(
             args.rollout_engine,
             args.model,
@@ -275,8 +276,9 @@ class Run:
             torch_compile=args.rollout_compile,
             seed=args.seed,
             max_model_len=args.max_prompt_length + args.max_response_length,
-            dtype="bfloat16" if device.type == "cuda" else "float32",
-            enforce_eager=device.type != "cuda",
+            dtype="bfloat16" if on_gpu else "float32",
+            kv_cache_memory_bytes=None if on_gpu else memory.cpu_kv_cache_bytes(args),
+            enforce_eager=not on_gpu,
             load_format="dummy",
         )
         self.compiled_ahead = (

@@ -3,7 +3,10 @@
 # of your prompts (examples/quickstart/data.py), a reward function (examples/quickstart/reward.py),
 # and the few flags a small data set needs (the defaults are verl's GSM8K tutorial: 256 prompts a
 # step). The engine is vLLM's CPU build, as on a GPU. Swap in your model (MODEL=a hub id or folder),
-# your data (DATA=a folder with train.parquet and test.parquet) and your reward file.
+# your data (DATA=a folder with train.parquet and test.parquet) and your reward file; prompts longer
+# than --max_prompt_length tokens are refused by name, so raise it for longer ones. The tiny model is
+# random: this run shows the plumbing works (data, reward, engine, update, export), its scores stay
+# near 0; a real MODEL learns.
 #   bash examples/quickstart_cpu.sh [more flags]      # OUT=/tmp/quickstart by default
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -15,5 +18,5 @@ DATA=${DATA:-$OUT/data}
 [ -e "$DATA/train.parquet" ] || "$PY" "$ROOT/examples/quickstart/data.py" --out "$DATA"
 "$PY" "$ROOT/train_grpo.py" --model "$MODEL" --train_files "$DATA/train.parquet" \
     --val_files "$DATA/test.parquet" --custom_reward_function_path "$ROOT/examples/quickstart/reward.py" \
-    --train_batch_size 8 --ppo_mini_batch_size 4 --rollout_n 4 --max_prompt_length 64 \
+    --train_batch_size 8 --ppo_mini_batch_size 4 --rollout_n 4 --max_prompt_length 128 \
     --max_response_length 16 --total_training_steps 4 --test_freq 2 --default_local_dir "$OUT/run" "$@"

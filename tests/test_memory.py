@@ -380,6 +380,31 @@ def test_a_smaller_gpu_on_a_larger_one_caps_the_trainer_and_the_engines_share(mo
     assert run.planned_world(SimpleNamespace(n_gpus_per_node=8, nnodes=4), 1) == 32
 
 
+def test_the_cpu_engines_kv_cache_is_what_a_round_generates(monkeypatch):
+    """On a CPU, Qwen2.5-0.5B's KV cache in fp32 is 2 x 24 layers x 128 x 4 bytes = 24,576 bytes a
+    token: 16 prompts x 4 responses x (64 + 16) tokens take 120 MiB; a tiny round gets 64 MiB at
+    least; the tutorial's shape (1,024 sequences at once, 1,536 tokens: 36 GiB) no more than 0.6 of
+    a 24 GiB machine."""
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 24 * GiB // 4096}
+    monkeypatch.setattr(memory.os, "sysconf", pages.__getitem__)
+    args = SimpleNamespace(
+        model="Qwen/Qwen2.5-0.5B-Instruct",
+        max_num_seqs=1024,
+        train_batch_size=16,
+        rollout_n=4,
+        max_prompt_length=64,
+        max_response_length=16,
+        gpu_memory_utilization=0.6,
+    )
+    assert memory.cpu_kv_cache_bytes(args) == 64 * 80 * 24576 == 120 * 2**20
+    args.train_batch_size = 2
+    assert memory.cpu_kv_cache_bytes(args) == 64 * 2**20
+    args.train_batch_size, args.rollout_n, args.max_prompt_length = 256, 5, 512
+    args.max_response_length = 1024
+    assert 1024 * 1536 * 24576 == 36 * GiB
+    assert memory.cpu_kv_cache_bytes(args) == int(0.6 * 24 * GiB)
+
+
 def test_the_cap_follows_the_engines_sleep(monkeypatch):
     """The in-process engine's sleep releases its pool (1 GiB of weights, 9 of KV cache here) while
     torch goes on counting it: asleep, the 24 GiB cap of a 139.8 GiB GPU is 34 GiB of torch's
