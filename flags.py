@@ -359,6 +359,11 @@ class RunArgs:
     seed: int = flag(1, "model init and data order; sampling uses seed + group", ge=0)
 
 
+class BadInput(ValueError):
+    """Input the run cannot use (a data file or row, a reward function), named with what to do: the
+    command line prints the message alone, as it does a flag's (`need`), without a traceback."""
+
+
 def need(ok, msg):
     """Stop at start-up, naming the script and the flag, when `ok` is false."""
     if not ok:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from flags import BadInput
+
 # --- GSM8K. strict gives what verl's verl/utils/reward_score/gsm8k.py gives on every input
 # (rewritten) ---
 _SOLUTION_CLIP_CHARS = (
@@ -132,11 +134,11 @@ def load_reward_function(path=None, name="compute_score"):
         return compute_score
     path = Path(path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(
+        raise BadInput(
             f"custom reward file {path} does not exist (--custom_reward_function_path)"
         )
     if path.suffix != ".py":
-        raise ValueError(
+        raise BadInput(
             f"custom reward file {path} is not a .py file (--custom_reward_function_path)"
         )
     module_name = f"custom_reward_{path.stem}"
@@ -156,16 +158,19 @@ def load_reward_function(path=None, name="compute_score"):
             for k, v in vars(module).items()
             if callable(v) and getattr(v, "__module__", None) == module_name
         ]
-        raise AttributeError(f"{path} defines no function {name!r}; it defines {defined}")
+        raise BadInput(
+            f"{path} defines no function {name!r} (--custom_reward_function_name); it defines "
+            f"{defined}"
+        )
     fn = getattr(module, name)
     if not callable(fn):
-        raise TypeError(f"{path}: {name} is a {type(fn).__name__}, not a function")
+        raise BadInput(f"{path}: {name} is a {type(fn).__name__}, not a function")
     try:
         inspect.signature(fn).bind(
             data_source="", solution_str="", ground_truth="", extra_info=None
         )
     except TypeError as e:
-        raise TypeError(
+        raise BadInput(
             f"{path}: {name}{inspect.signature(fn)} cannot be called as "
             f"{name}(data_source=, solution_str=, ground_truth=, extra_info=): {e}"
         ) from e

@@ -51,7 +51,7 @@ from batches import batch_metrics, round_metrics, validate
 from cli import given_flags, parse
 from data.dataset import load_rl_dataset
 from ending import StopRequest, fail, finished, watch_peers
-from flags import need
+from flags import BadInput, need
 from metrics import (
     PHASES,
     Logger,
@@ -507,7 +507,10 @@ def start(args, check_args, declare_models):
     the number of steps and the memory plan; with --warm_compile_caches, the compiling helper.
     Refuses a fresh run (--resume_mode disable) in a folder that holds another run's checkpoints."""
     rank, world, device = init_distributed()
-    check_args(args, world)
+    try:
+        check_args(args, world)
+    except ValueError as error:  # a mode the script's math does not know, named by it
+        need(False, str(error))
     specs = [m for m in declare_models(args) if m is not None]
     check_budgets(args, specs)
     run = Run(args, rank, world, device, specs)
@@ -542,7 +545,6 @@ def start(args, check_args, declare_models):
         f"{world} processes were launched: drop them (they are for --print_plan) or launch as many",
     )
     check_paths(args)
-    run.lock = lock_folder(args.default_local_dir) if rank == 0 else None  # held to the end
     if args.resume_mode == "disable" and checkpoint.list_checkpoints(args.default_local_dir):
         # a fresh run there would interleave its checkpoints with the old ones (and prune its own)
         need(
@@ -610,6 +612,8 @@ def start(args, check_args, declare_models):
     run.total_steps = args.total_training_steps or steps_per_epoch * args.total_epochs
     if compile_ahead.warms(args, device) and not args.val_only:
         run.warm = compile_ahead.WarmStart(run)  # the helper compiles while the models load
+    # the folder made and held to the end once the input is known good: nothing left by a refusal
+    run.lock = lock_folder(args.default_local_dir) if rank == 0 else None
     return run
 
 
@@ -633,6 +637,8 @@ def launch(main, Args):
     try:
         main(parsed)
     except BaseException as error:
+        if isinstance(error, BadInput):  # its message names the input and what to do
+            error = SystemExit(f"{os.path.basename(sys.argv[0])}: {error}")
         clean = isinstance(error, SystemExit) and error.code in (0, None)
         if clean and not finished.is_set():
             # sys.exit() from somewhere the run did not mean to end (user code, a library): not

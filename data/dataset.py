@@ -18,6 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from flags import BadInput
+
 REQUIRED = ("data_source", "reward_model")
 
 
@@ -45,7 +47,7 @@ class RLDataset:
 
 def _messages(prompt, where):
     if not isinstance(prompt, list) or not prompt:
-        raise ValueError(
+        raise BadInput(
             f"{where}: prompt must be a non-empty list of {{'role': str, 'content': str}} "
             f"messages, got {type(prompt).__name__} {str(prompt)[:100]!r}"
         )
@@ -55,7 +57,7 @@ def _messages(prompt, where):
             or not isinstance(m.get("role"), str)
             or not isinstance(m.get("content"), str)
         ):
-            raise ValueError(
+            raise BadInput(
                 f"{where}: every prompt message must be {{'role': str, 'content': str}}, got {m!r}"
             )
     # parquet structs give each message every field of every row (a missing one as None): drop those
@@ -64,14 +66,14 @@ def _messages(prompt, where):
 
 def _ground_truth(reward_model, where):
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
-        raise ValueError(
+        raise BadInput(
             f"{where}: reward_model must be a dict with a 'ground_truth', got {reward_model!r}"
         )
     truth = reward_model["ground_truth"]
     if isinstance(truth, (int, float)) and not isinstance(truth, bool):
         return str(truth)  # a number written as one; str() so rule-based scorers compare strings
     if not isinstance(truth, str):
-        raise ValueError(
+        raise BadInput(
             f"{where}: reward_model.ground_truth must be a str (or a number), got "
             f"{type(truth).__name__} {truth!r} (a row without one reads as None); "
             "rewrite the file with string ground truths"
@@ -83,19 +85,19 @@ def _read(path, prompt_key):
     """The validated rows of one file: [(row, messages, data_source, ground_truth, extra_info),
     ...]."""
     if not path.is_file():
-        raise FileNotFoundError(
+        raise BadInput(
             f"data file {path} does not exist; make it with e.g. python data/gsm8k.py"
         )
     try:
         columns = pq.read_schema(path).names
     except (pa.ArrowException, OSError) as e:  # a CSV, an empty or a truncated file
-        raise ValueError(
+        raise BadInput(
             f"{path} is not a readable parquet file ({e}); give parquet in verl's format, "
             "e.g. made by data/gsm8k.py"
         ) from e
     for name in (*REQUIRED, prompt_key):
         if name not in columns:
-            raise ValueError(
+            raise BadInput(
                 f"{path}: no column {name!r} (it has {columns}); the file must be in verl's format "
                 "(data_source, prompt, reward_model, extra_info), see data/gsm8k.py"
             )
@@ -103,14 +105,14 @@ def _read(path, prompt_key):
     try:
         table = pq.read_table(path, columns=wanted)
     except (pa.ArrowException, OSError) as e:  # its schema reads, its data does not
-        raise ValueError(f"{path}: its rows cannot be read ({e}); write the file again") from e
+        raise BadInput(f"{path}: its rows cannot be read ({e}); write the file again") from e
     data = {name: table.column(name).to_pylist() for name in wanted}
     rows = []
     for i in range(table.num_rows):
         where = f"{path} row {i}"
         source = data["data_source"][i]
         if not isinstance(source, str):
-            raise ValueError(f"{where}: data_source must be a str, got {source!r}")
+            raise BadInput(f"{where}: data_source must be a str, got {source!r}")
         info = data["extra_info"][i] if "extra_info" in data else None
         rows.append(
             (
@@ -154,7 +156,7 @@ def load_rl_dataset(
             )
         # transformers raises ValueError when the tokenizer has no chat_template
         except ValueError as e:
-            raise ValueError(f"{path}: cannot apply the tokenizer's chat template: {e}") from e
+            raise BadInput(f"{path}: cannot apply the tokenizer's chat template: {e}") from e
         # one batched call, encoded in Rust (GSM8K's 7.5k prompts take a second or two)
         all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         for (i, _, source, truth, info), ids in zip(rows, all_ids):
@@ -163,15 +165,18 @@ def load_rl_dataset(
                     dataset.n_filtered += 1
                     continue
                 if truncation == "error":
-                    raise ValueError(
+                    raise BadInput(
                         f"{path} row {i}: prompt has {len(ids)} tokens > max_prompt_length="
                         f"{max_prompt_length}; pass --filter_overlong_prompts to drop such "
                         "prompts, --truncation left/right to cut them, or raise --max_prompt_length"
                     )
                 ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
             dataset.examples.append(Example(list(ids), source, truth, info, i, str(path)))
+    if not dataset.examples and not dataset.n_filtered:
+        names = ", ".join(map(str, [files] if isinstance(files, (str, Path)) else files))
+        raise BadInput(f"{names} holds no rows: give files with prompts in verl's format")
     if not dataset.examples:
-        raise ValueError(
+        raise BadInput(
             f"no prompts left in {files} ({dataset.n_filtered} longer than max_prompt_length="
             f"{max_prompt_length} were dropped); raise --max_prompt_length or check the files"
         )

@@ -16,6 +16,7 @@ import pytest
 from bench.tiny import make_tiny_tokenizer
 from data import gsm8k
 from data.dataset import PromptOrder, batch_order, epoch_order, load_rl_dataset
+from flags import BadInput
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -300,7 +301,7 @@ def test_bad_rows_name_file_and_row(tmp_path, tokenizer, bad_row, message):
 
 
 def test_missing_file_and_column(tmp_path, tokenizer):
-    with pytest.raises(FileNotFoundError, match="nope.parquet does not exist"):
+    with pytest.raises(BadInput, match="nope.parquet does not exist"):
         load_rl_dataset(tmp_path / "nope.parquet", tokenizer, 64)
     path = write_rows(
         tmp_path / "cols.parquet",

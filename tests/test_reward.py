@@ -9,6 +9,7 @@ import time
 import pytest
 
 import reward
+from flags import BadInput
 from reward import compute_score, gsm8k_extract, gsm8k_score, load_reward_function, score_batch
 
 GSM8K = "openai/gsm8k"
@@ -164,24 +165,26 @@ def test_custom_float_and_dict(reward_file):
 
 
 def test_custom_file_errors(tmp_path, reward_file):
-    with pytest.raises(FileNotFoundError, match="nope.py"):
+    """What the user gave and cannot be used is BadInput (the command line prints it alone); an
+    error inside their module keeps its traceback, which points into their file."""
+    with pytest.raises(BadInput, match="nope.py"):
         load_reward_function(tmp_path / "nope.py")
     (tmp_path / "reward.txt").write_text(GOOD)
-    with pytest.raises(ValueError, match="not a .py"):
+    with pytest.raises(BadInput, match="not a .py"):
         load_reward_function(tmp_path / "reward.txt")
     (tmp_path / "broken.py").write_text("import os\nx = 1 / 0\n")
     with pytest.raises(ImportError, match="ZeroDivisionError"):
         load_reward_function(tmp_path / "broken.py")
-    with pytest.raises(AttributeError) as e:
+    with pytest.raises(BadInput) as e:
         load_reward_function(reward_file, "score_it")
     assert (
-        "'score_it'" in str(e.value)
+        "'score_it' (--custom_reward_function_name)" in str(e.value)
         and "'with_extras'" in str(e.value)
         and "'too_few'" in str(e.value)
     )
-    with pytest.raises(TypeError, match="not a function"):
+    with pytest.raises(BadInput, match="not a function"):
         load_reward_function(reward_file, "NOT_A_FUNCTION")
-    with pytest.raises(TypeError, match="too_few"):
+    with pytest.raises(BadInput, match="too_few"):
         load_reward_function(reward_file, "too_few")
 
 

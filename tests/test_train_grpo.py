@@ -719,6 +719,9 @@ BAD_INPUT = [
     "model_without_config",
     "checkpoints_under_a_file",
     "val_source_without_scorer",
+    "empty_train_file",
+    "loss_agg_mode",
+    "reward_signature",
 ]
 
 
@@ -772,6 +775,19 @@ def bad_input(assets, case):
                                         sources), bad)  # fmt: skip
         args[args.index("--val_files") + 1] = str(bad)
         expected = [f"--val_files {bad}: data_source 'my/puzzles' (8 prompts) has no scorer"]
+    elif case == "empty_train_file":
+        bad = assets["tmp"] / "empty.parquet"
+        pq.write_table(pq.read_table(assets["data"] / "train.parquet").slice(0, 0), bad)
+        args[args.index("--train_files") + 1] = str(bad)
+        expected = [f"{bad} holds no rows"]
+    elif case == "loss_agg_mode":  # the math function names its modes
+        args += ["--loss_agg_mode", "seq-mean"]
+        expected = ["--loss_agg_mode 'seq-mean' is not one of token-mean"]
+    elif case == "reward_signature":
+        bad = assets["tmp"] / "two_arguments.py"
+        bad.write_text("def compute_score(solution, answer):\n    return 0.0\n")
+        args[args.index("--custom_reward_function_path") + 1] = str(bad)
+        expected = [f"{bad}: compute_score(solution, answer) cannot be called as"]
     elif case == "checkpoints_under_a_file":
         args[args.index("--default_local_dir") + 1] = str(assets["reward"] / "run")
         expected = [f"{assets['reward']} is a file, not a folder"]
@@ -801,7 +817,8 @@ def test_bad_input_fails_at_start_up(case, bad_input_runs):
     for text in expected:
         assert text in proc.output, proc.output[-3000:]
     assert "Loading weights" not in proc.output  # failed before any model loaded
-    assert not (out / "metrics.jsonl").exists()
+    assert "Traceback" not in proc.output, proc.output[-3000:]  # the message alone
+    assert not out.exists()  # nothing left behind
 
 
 def test_a_fresh_run_refuses_a_folder_with_checkpoints(assets, hf_run):
