@@ -134,9 +134,7 @@ def load_reward_function(path=None, name="compute_score"):
         return compute_score
     path = Path(path).expanduser()
     if not path.is_file():
-        raise BadInput(
-            f"custom reward file {path} does not exist (--custom_reward_function_path)"
-        )
+        raise BadInput(f"custom reward file {path} does not exist (--custom_reward_function_path)")
     if path.suffix != ".py":
         raise BadInput(
             f"custom reward file {path} is not a .py file (--custom_reward_function_path)"

@@ -85,9 +85,7 @@ def _read(path, prompt_key):
     """The validated rows of one file: [(row, messages, data_source, ground_truth, extra_info),
     ...]."""
     if not path.is_file():
-        raise BadInput(
-            f"data file {path} does not exist; make it with e.g. python data/gsm8k.py"
-        )
+        raise BadInput(f"data file {path} does not exist; make it with e.g. python data/gsm8k.py")
     try:
         columns = pq.read_schema(path).names
     except (pa.ArrowException, OSError) as e:  # a CSV, an empty or a truncated file
