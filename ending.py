@@ -38,6 +38,9 @@ class StopRequest:
             signal.signal(signal.SIGTERM, self._note)
             if grace is not None:
                 watchdog(grace + WATCHDOG_AFTER_S)
+            if not _plain_child.registered:
+                os.register_at_fork(after_in_child=_plain_child)
+                _plain_child.registered = True
 
     def _note(self, signum, frame):
         if not self.signalled and self.grace is not None:
@@ -69,6 +72,17 @@ class StopRequest:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+
+def _plain_child():
+    """In a process forked from the trainer (user code's multiprocessing, a sandbox): SIGTERM ends
+    it, as it would have ended the process it copies before the run took the signal over, and
+    its signals reach no watchdog, which would take them for the trainer's."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+
+
+_plain_child.registered = False
 
 # how long after --stop_grace_s the watchdog ends a run whose interpreter is stuck (the deadline's
 # thread, which says where the run was, goes first when Python still runs)

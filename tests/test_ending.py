@@ -176,3 +176,21 @@ def test_the_stop_deadline_holds_when_the_interpreter_is_stuck_in_c_code(assets)
     assert 2 + WATCHDOG_AFTER_S - 1 < took < 2 + WATCHDOG_AFTER_S + 5, output[-6000:]
     assert code == -signal.SIGKILL, output[-6000:]
     assert f"[watchdog] process {pid} is still running 7 s after its SIGTERM" in output
+
+
+def test_a_child_the_reward_forks_and_terminates_leaves_the_run_alone(assets):
+    """A reward that runs code in a forked child and ends it with SIGTERM (a sandbox's time
+    limit): the child ends, and the run, which got no SIGTERM, trains on past the watchdog's time
+    (a child with the trainer's handler would note the signal and sleep on, and its signal would
+    reach the watchdog, which would kill the trainer)."""
+    sandbox = (
+        "import multiprocessing as mp; p = mp.get_context('fork').Process(target=time.sleep, "
+        "args=(60,)); p.start(); time.sleep(0.2); p.terminate(); p.join(5); "
+        "assert p.exitcode == -15, p.exitcode; time.sleep(4)"
+    )
+    path = reward_file(assets, "forks_a_sandbox", first_call(sandbox))
+    out = assets["tmp"] / "forks_a_sandbox_run"
+    args = flags(assets, out, "hf", 2, "disable", "--custom_reward_function_path", str(path))
+    proc = launch([*args, "--stop_grace_s", "0.5", "--test_freq", "-1"], nproc=0)
+    assert proc.returncode == 0, proc.output[-6000:]
+    assert sorted(metrics_by_step(out)) == [1, 2] and "[watchdog]" not in proc.output
