@@ -64,6 +64,13 @@ class StopRequest:
         reward.close_all()
         os._exit(128 + signal.SIGTERM)
 
+    def stand_down(self):
+        """The run has stopped stepping (it exports, or says where it stopped): no deadline, no
+        watchdog, for a SIGTERM from here on."""
+        self.finished.set()
+        if WATCHDOG_PIPE:
+            os.write(WATCHDOG_PIPE[0], bytes([0]))
+
     def agreed(self, device) -> bool:
         """Whether any rank has been signalled (a collective: every rank calls it at the same
         point)."""
@@ -93,21 +100,24 @@ import os, select, signal, sys, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 pid, wait = int(sys.argv[1]), float(sys.argv[2])
-while True:  # the numbers of the signals the trainer caught; nothing: it has ended
+while True:  # the numbers of the signals the trainer caught; 0: it stands down; nothing: it ended
     got = os.read(0, 512)
-    if not got:
+    if not got or 0 in got:
         sys.exit(0)
     if signal.SIGTERM in got:
         break
 deadline = time.monotonic() + wait
 while (left := deadline - time.monotonic()) > 0:
-    if select.select([0], [], [], left)[0] and not os.read(0, 512):
-        sys.exit(0)  # it ended in time
+    if select.select([0], [], [], left)[0] and ((got := os.read(0, 512)) == b"" or 0 in got):
+        sys.exit(0)  # it ended, or stood down, in time
 print(f"[watchdog] process {pid} is still running {wait:g} s after its SIGTERM and does not "
       "respond (its interpreter is stuck, in C code that holds it): killed. The same command "
       "with --resume_mode auto continues from the last checkpoint", file=sys.stderr, flush=True)
 os.kill(pid, signal.SIGKILL)
 """
+
+
+WATCHDOG_PIPE = []  # this process's end of the watchdog's pipe, once it has one
 
 
 def watchdog(seconds):
@@ -121,6 +131,7 @@ def watchdog(seconds):
     read, write = os.pipe()
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    WATCHDOG_PIPE[:] = [write]
     subprocess.Popen(
         [sys.executable, "-c", WATCHDOG, str(os.getpid()), str(seconds)],
         stdin=read,

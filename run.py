@@ -388,7 +388,8 @@ class Run:
         if source.overlap:  # the generation's own time, beside the previous step's training
             metrics["timing_s/gen_background"] = batch.seconds
         last_step = step == self.total_steps
-        stopping = not last_step and self.stop.agreed(device)  # checkpointed at once, not validated
+        # checkpointed at once, not validated (nor exported, at the last step: a resume does that)
+        stopping = self.stop.agreed(device)
         if (
             self.val is not None
             and args.test_freq > 0
@@ -400,7 +401,7 @@ class Run:
             with Timer(metrics, device)("testing"):
                 metrics |= self.validate(step)
             # a SIGTERM during validation: this step, too
-            stopping = not last_step and self.stop.agreed(device)
+            stopping = self.stop.agreed(device)
         # a stop is checkpointed whatever --save_freq says: a SIGTERM never loses the run
         if stopping or (args.save_freq > 0 and (step % args.save_freq == 0 or last_step)):
             with Timer(metrics, device)("save_checkpoint"):
@@ -417,7 +418,7 @@ class Run:
                     keep_last=args.keep_last_checkpoints,
                 )
             # one during the checkpoint: the run stops now, the checkpoint holds this step
-            stopping = stopping or (not last_step and self.stop.agreed(device))
+            stopping = stopping or self.stop.agreed(device)
         self.logger.log(metrics, step)
         self.bar.update(1)
         self.stopping = stopping
@@ -432,12 +433,13 @@ class Run:
         args = self.args
         self.bar.close()
         source.close()
-        self.stop.finished.set()
+        self.stop.stand_down()
         if self.stopping:
             if self.rank == 0:
+                then = "writes the final policy" if step == self.total_steps else "continues"
                 how = (
                     f"checkpointed in {args.default_local_dir}; the same command with "
-                    "--resume_mode auto continues from there"
+                    f"--resume_mode auto {then} from there"
                 )
                 print(
                     f"stopped by SIGTERM after step {step} of {self.total_steps}, {how}", flush=True

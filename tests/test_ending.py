@@ -194,3 +194,25 @@ def test_a_child_the_reward_forks_and_terminates_leaves_the_run_alone(assets):
     proc = launch([*args, "--stop_grace_s", "0.5", "--test_freq", "-1"], nproc=0)
     assert proc.returncode == 0, proc.output[-6000:]
     assert sorted(metrics_by_step(out)) == [1, 2] and "[watchdog]" not in proc.output
+
+
+STANDS_DOWN = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+import ending
+stop = ending.StopRequest(grace=0.5)
+stop.stand_down()  # the run has stopped stepping: it exports
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.5 + ending.WATCHDOG_AFTER_S + 1.5)  # a long export
+print("exported", flush=True)
+"""
+
+
+def test_after_the_steps_neither_deadline_nor_watchdog_ends_the_run():
+    """Once the run has stopped stepping (`StopRequest.stand_down`: it exports its final policy),
+    a SIGTERM ends it neither by the deadline nor by the watchdog."""
+    proc = subprocess.run(
+        [sys.executable, "-c", STANDS_DOWN, ROOT], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and "exported" in proc.stdout, proc.stderr[-3000:]
+    assert "[watchdog]" not in proc.stderr

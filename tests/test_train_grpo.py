@@ -602,6 +602,29 @@ def test_sigterm_during_validation_stops_after_that_step(assets):
     )
 
 
+def test_a_sigterm_in_the_last_step_checkpoints_it_and_the_same_command_exports(assets):
+    """A SIGTERM while the last step validates (a final export can outlast the grace period too):
+    that step is checkpointed, whatever --save_freq says (GRPO's default -1 here), and not
+    exported; the same command then writes the final policy and trains nothing."""
+    out = assets["tmp"] / "run_sigterm_last"
+    reward_fn = out.parent / f"{out.name}_reward.py"
+    reward_fn.write_text(SIGTERM_IN_VALIDATION)
+    extra = ["--save_freq", "-1", "--test_freq", "2", "--val_before_train", "false"]
+    extra += ["--custom_reward_function_path", str(reward_fn)]
+    proc = launch(flags(assets, out, "hf", 2, "disable", *extra))
+    assert proc.returncode == 0, proc.output[-6000:]
+    assert (
+        "stopped by SIGTERM after step 2 of 2, checkpointed in" in proc.output
+        and "--resume_mode auto writes the final policy from there" in proc.output
+    ), proc.output[-6000:]
+    assert os.path.basename(checkpoint.latest_checkpoint(str(out))) == "global_step_2"
+    assert not (out / "hf_model").exists()
+    again = launch(flags(assets, out, "hf", 2, "auto", *extra))
+    assert again.returncode == 0, again.output[-6000:]
+    assert "step:1" not in again.output and "wrote its final policy" in again.output
+    assert (out / "hf_model" / "config.json").exists()
+
+
 def test_resuming_a_finished_run_does_nothing(assets, hf_run):
     before = (hf_run / "metrics.jsonl").read_text()
     checkpoints = sorted(os.listdir(hf_run))
