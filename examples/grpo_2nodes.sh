@@ -6,7 +6,7 @@ set -euo pipefail
 ROOT=$(dirname "$0")/..  # the train scripts
 MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
 DATA=${DATA:-$HOME/data/gsm8k}
-${TORCHRUN:-torchrun} --nnodes=2 --nproc_per_node=${NPROC:-8} --rdzv_backend=c10d \
+exec ${TORCHRUN:-torchrun} --nnodes=2 --nproc_per_node=${NPROC:-8} --rdzv_backend=c10d \
     --rdzv_endpoint=${HEAD_NODE_IP:?set HEAD_NODE_IP}:${PORT:-29500} \
     --rdzv_id=${RDZV_ID:-grpo_2nodes} \
     "$ROOT/train_grpo.py" --model "$MODEL" \

@@ -5,5 +5,5 @@ set -euo pipefail
 ROOT=$(dirname "$0")/..  # the train scripts
 MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
 DATA=${DATA:-$HOME/data/gsm8k}
-${TORCHRUN:-torchrun} --nproc_per_node=${NPROC:-8} "$ROOT/train_grpo.py" --model "$MODEL" \
+exec ${TORCHRUN:-torchrun} --nproc_per_node=${NPROC:-8} "$ROOT/train_grpo.py" --model "$MODEL" \
     --train_files "$DATA/train.parquet" --val_files "$DATA/test.parquet" "$@"

@@ -7,5 +7,5 @@ set -euo pipefail
 ROOT=$(dirname "$0")/..  # the train scripts
 MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
 DATA=${DATA:-$HOME/data/gsm8k}  # python data/gsm8k.py --local_save_dir $DATA
-${TORCHRUN:-torchrun} --nproc_per_node=${NPROC:-1} "$ROOT/train_grpo.py" --model "$MODEL" \
+exec ${TORCHRUN:-torchrun} --nproc_per_node=${NPROC:-1} "$ROOT/train_grpo.py" --model "$MODEL" \
     --train_files "$DATA/train.parquet" --val_files "$DATA/test.parquet" "$@"

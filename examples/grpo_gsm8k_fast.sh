@@ -6,7 +6,7 @@ set -euo pipefail
 ROOT=$(dirname "$0")/..  # the train scripts
 MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
 DATA=${DATA:-$HOME/data/gsm8k}
-${TORCHRUN:-torchrun} --nproc_per_node=${NPROC:-1} "$ROOT/train_grpo.py" --model "$MODEL" \
+exec ${TORCHRUN:-torchrun} --nproc_per_node=${NPROC:-1} "$ROOT/train_grpo.py" --model "$MODEL" \
     --train_files "$DATA/train.parquet" --val_files "$DATA/test.parquet" \
     --filter_groups --filter_groups_from_step 8 --skip_all_equal --use_kl_loss false \
     --engines_per_gpu 4 --max_num_seqs 2048 --actor_lr 5e-6 --max_response_length 512 \

@@ -6,7 +6,7 @@ set -euo pipefail
 ROOT=$(dirname "$0")/..  # the train scripts
 MODEL=${MODEL:-Qwen/Qwen3-1.7B}
 DATA=${DATA:-$HOME/data/gsm8k}
-${TORCHRUN:-torchrun} --nproc_per_node=${NPROC:-1} "$ROOT/train_grpo.py" --model "$MODEL" \
+exec ${TORCHRUN:-torchrun} --nproc_per_node=${NPROC:-1} "$ROOT/train_grpo.py" --model "$MODEL" \
     --train_files "$DATA/train.parquet" --val_files "$DATA/test.parquet" \
     --train_batch_size 1024 --rollout_n 3 --ppo_mini_batch_size 80 --max_response_length 1024 \
     --enable_gradient_checkpointing --ref_param_offload --filter_overlong_prompts --test_freq 5 "$@"

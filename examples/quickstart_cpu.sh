@@ -16,7 +16,8 @@ MODEL=${MODEL:-$OUT/model}
 DATA=${DATA:-$OUT/data}
 [ -e "$MODEL" ] || [ "$MODEL" != "$OUT/model" ] || "$PY" "$ROOT/bench/tiny.py" --out "$MODEL"
 [ -e "$DATA/train.parquet" ] || "$PY" "$ROOT/examples/quickstart/data.py" --out "$DATA"
-"$PY" "$ROOT/train_grpo.py" --model "$MODEL" --train_files "$DATA/train.parquet" \
+# exec: a SIGTERM to this script (or its group) reaches the trainer, which checkpoints and stops
+exec "$PY" "$ROOT/train_grpo.py" --model "$MODEL" --train_files "$DATA/train.parquet" \
     --val_files "$DATA/test.parquet" --custom_reward_function_path "$ROOT/examples/quickstart/reward.py" \
     --train_batch_size 8 --ppo_mini_batch_size 4 --rollout_n 4 --max_prompt_length 128 \
     --max_response_length 16 --total_training_steps 4 --test_freq 2 --default_local_dir "$OUT/run" "$@"
