@@ -325,7 +325,9 @@ class RunArgs:
         doc="validate before the first step (verl's default is True; its GSM8K tutorials, PPO and "
         "GRPO, pass False, and so do we)",
     )
-    val_only: bool = flag(False, "only evaluate --model (or the checkpoint) and exit")
+    val_only: bool = flag(
+        False, "only evaluate --model (or the checkpoint) and exit; the scores go to val_only.jsonl"
+    )
     stop_grace_s: float = flag(
         25.0,
         "after a SIGTERM, the seconds the step in progress has to reach its checkpoint; past "

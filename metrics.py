@@ -75,11 +75,12 @@ class Timer:
 class Logger:
     """Rank 0 only: console line per step (verl's format), jsonl, wandb, tensorboard."""
 
-    def __init__(self, args, out_dir, flags=None):
-        """`flags`: the run's flags for wandb's config (`Run.flags`; default: asdict(args))."""
+    def __init__(self, args, out_dir, flags=None, name="metrics.jsonl"):
+        """`flags`: the run's flags for wandb's config (`Run.flags`; default: asdict(args)); `name`:
+        the jsonl file's."""
         self.kinds = {k.strip() for k in args.logger.strip("[]").split(",") if k.strip()}
         self.on = sharding.rank() == 0
-        self.path, self.wandb, self.tb = os.path.join(out_dir, "metrics.jsonl"), None, None
+        self.path, self.wandb, self.tb = os.path.join(out_dir, name), None, None
         if not self.on:
             return
         os.makedirs(out_dir, exist_ok=True)

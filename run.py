@@ -312,12 +312,13 @@ class Run:
                 flush=True,
             )
         self.engine = engine
+        if args.val_only:  # its rows apart: a training run's metrics.jsonl there stays whole
+            self.logger = Logger(args, args.default_local_dir, self.flags(), "val_only.jsonl")
+            return
         self.logger = Logger(args, args.default_local_dir, self.flags())
         self.logger.resume(self.step, self.last_row)
-        if self.step == 0 and self.rank == 0 and not args.val_only:  # afresh: keep what was here
+        if self.step == 0 and self.rank == 0:  # afresh: keep what was here
             checkpoint.keep_earlier(os.path.join(args.default_local_dir, "hf_model"))
-        if args.val_only:
-            return
         if args.val_before_train and self.val is not None and self.step == 0:
             self.logger.log(self.validate(), self.step)
         self.peak_flops = measure_peak_flops(device) * self.world

@@ -273,8 +273,8 @@ def launch_forked(arg_lists, timeout=300):
         ]
 
 
-def metrics_by_step(out_dir):
-    with open(Path(out_dir) / "metrics.jsonl") as f:
+def metrics_by_step(out_dir, name="metrics.jsonl"):
+    with open(Path(out_dir) / name) as f:
         return {row["step"]: row for row in map(json.loads, f)}
 
 
@@ -287,7 +287,7 @@ def val_only_metrics(assets, checkpoint, out_dir):
         nproc=0,
     )
     assert proc.returncode == 0, proc.output[-6000:]
-    return metrics_by_step(out_dir)[int(Path(checkpoint).name.rsplit("_", 1)[1])]
+    return metrics_by_step(out_dir, "val_only.jsonl")[int(Path(checkpoint).name.rsplit("_", 1)[1])]
 
 
 def two_step_run(assets, engine, *extra):
@@ -691,17 +691,21 @@ def test_val_only_scores_the_base_model_and_a_checkpoint(assets, hf_run):
     """--val_only: greedy mean@1 and, with --val_n 4, sampled mean@4 and pass@1/2/4, strict (here
     the custom reward) and flexible. Its greedy scores equal the ones the training run logged: the
     base model's before training, and, pointed at the run's last checkpoint, those weights' at that
-    step."""
+    step. Scoring a checkpoint in its own run's folder writes val_only.jsonl, leaving the
+    training's metrics.jsonl as it was."""
     sampled = ["--val_only", "--val_n", "4", "--val_temperature", "1.0"]
     base_dir, ckpt_dir = assets["tmp"] / "val_only_base", assets["tmp"] / "val_only_ckpt"
+    shutil.copytree(hf_run, ckpt_dir, ignore=shutil.ignore_patterns("hf_model", ".lock"))
+    trained = (ckpt_dir / "metrics.jsonl").read_text()
     base = launch(flags(assets, base_dir, "hf", 2, "disable", *sampled))
     assert base.returncode == 0, base.output[-6000:]
-    ckpt = launch(flags(assets, ckpt_dir, "hf", 2, str(hf_run / "global_step_2"), *sampled))
+    ckpt = launch(flags(assets, ckpt_dir, "hf", 2, str(ckpt_dir / "global_step_2"), *sampled))
     assert ckpt.returncode == 0, ckpt.output[-6000:]
     assert "resumed from" in ckpt.output and "step:1" not in ckpt.output  # scored, did not train
+    assert (ckpt_dir / "metrics.jsonl").read_text() == trained
     (base_row,), (ckpt_row,) = (
-        metrics_by_step(base_dir).values(),
-        metrics_by_step(ckpt_dir).values(),
+        metrics_by_step(base_dir, "val_only.jsonl").values(),
+        metrics_by_step(ckpt_dir, "val_only.jsonl").values(),
     )
     assert base_row["step"] == 0 and ckpt_row["step"] == 2
     prefix = "val-core/openai/gsm8k/"
