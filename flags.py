@@ -372,15 +372,22 @@ def need(ok, msg):
         raise SystemExit(f"{os.path.basename(sys.argv[0])}: {msg}")
 
 
+def file_in_the_way(folder):
+    """The file at `folder` or above it that keeps it from being a folder, or None."""
+    here = Path(os.path.abspath(folder))
+    return next((str(p) for p in [here, *here.parents] if p.is_file()), None)
+
+
 def check_args(args, world_size):
     """Fail at start-up on the shared flags, naming them, before anything heavy loads; then fill the
     derived defaults. A train script's check_args calls this, then checks its own flags."""
     for name in ("rollout_data_dir", "validation_data_dir"):
         path = getattr(args, name)
+        blocked = path and file_in_the_way(path)
         need(
-            not path or not os.path.exists(path) or os.path.isdir(path),
-            f"--{name} {path} is a file, not a folder: give a folder for the .jsonl files, or "
-            f"leave the flag out",
+            not blocked,
+            f"--{name} {path}: {blocked} is a file, not a folder; give a folder for the .jsonl "
+            "files, or leave the flag out",
         )
     need(
         args.train_batch_size % world_size == 0,

@@ -32,7 +32,6 @@ import sys
 import traceback
 from collections import Counter
 from dataclasses import asdict
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -51,7 +50,7 @@ from batches import batch_metrics, round_metrics, validate
 from cli import given_flags, parse
 from data.dataset import load_rl_dataset
 from ending import StopRequest, fail, finished, watch_peers
-from flags import BadInput, need
+from flags import BadInput, file_in_the_way, need
 from metrics import (
     PHASES,
     Logger,
@@ -464,8 +463,7 @@ class Run:
 
 def check_paths(args):
     """Folders and models that cannot serve, named before anything loads."""
-    here = os.path.abspath(args.default_local_dir)
-    blocked = next((p for p in [here, *Path(here).parents] if os.path.isfile(p)), None)
+    blocked = file_in_the_way(args.default_local_dir)
     need(
         blocked is None,
         f"--default_local_dir {args.default_local_dir}: {blocked} is a file, not a folder; give a "

@@ -774,9 +774,12 @@ def bad_input(assets, case):
         expected = [
             "--warm_compile_caches compiles the step's passes ahead, and none compiles here"
         ]
-    elif case == "dump_dir_is_a_file":
-        args += ["--validation_data_dir", str(assets["reward"])]
-        expected = [f"--validation_data_dir {assets['reward']} is a file, not a folder"]
+    elif case == "dump_dir_is_a_file":  # under a file
+        args += ["--validation_data_dir", str(assets["reward"] / "val")]
+        expected = [
+            f"--validation_data_dir {assets['reward'] / 'val'}: {assets['reward']} is a file, not "
+            "a folder"
+        ]
     elif case == "missing_column":
         bad = assets["tmp"] / "no_reward_model.parquet"
         write_parquet_without(assets["data"] / "train.parquet", bad, "reward_model")
