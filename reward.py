@@ -280,7 +280,7 @@ class RewardFunction:
         """End worker w (killed if it still runs) and start another in its place; returns how the
         old one ended (its exit code; negative: the signal)."""
         old = self.workers[w]
-        old.kill()
+        _kill_group(old)
         code = old.wait()
         for f in (old.stdin, old.stdout):
             f.close()
@@ -289,12 +289,21 @@ class RewardFunction:
 
     def close(self):
         for p in self.workers:
-            p.kill()
+            _kill_group(p)
         for p in self.workers:
             p.wait()
             for f in (p.stdin, p.stdout):
                 f.close()
         self.workers = []
+
+
+def _kill_group(worker):
+    """Kill a worker and what it started (its session's process group: a reward's sandbox or
+    subprocess would otherwise outlive the call that timed out, and the run)."""
+    try:
+        os.killpg(worker.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        worker.kill()
 
 
 _OPEN = []  # every RewardFunction of this process, for close_all
@@ -366,6 +375,7 @@ def _serve(path, name, parent, parent_death_signal):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     calls, outcomes = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # user code reading stdin reads nothing, not calls
     fn = load_reward_function(path, name)
     while (kwargs := _receive(calls)) is not None:
         outcome = _call(fn, kwargs, BaseException)[:2]  # the exception itself may not pickle

@@ -356,6 +356,13 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
         time.sleep(1.0)
     if solution_str == "pid":
         return {"score": 1.0, "pid": os.getpid()}
+    if solution_str == "stdin":  # a subprocess that reads its input would wait for it
+        return float(sys.stdin.read() == "")
+    if solution_str == "sandbox":  # a process of its own, then a stall
+        import subprocess
+        child = subprocess.Popen(["sleep", "300"])
+        open(ground_truth, "w").write(str(child.pid))
+        time.sleep(3600)
     return float(solution_str == ground_truth)
 """
 
@@ -422,6 +429,27 @@ def test_a_reward_call_that_stalls_dies_or_raises_is_a_reward_error(stalling, ca
     finally:
         fn.close()
     assert not any(alive(p) for p in pids)
+
+
+def test_a_worker_reads_no_calls_as_input_and_a_timeout_ends_what_it_started(stalling, tmp_path):
+    """In a worker the function's stdin is empty (the calls come on another pipe, which user code
+    reading its input would otherwise wait on); a call that times out ends with the processes it
+    started, which would otherwise outlive it and the run."""
+    fn = reward.RewardFunction(stalling, workers=1, timeout=2.0)
+    pid_file = tmp_path / "sandbox.pid"
+    try:
+        assert score_batch(fn, ["a"], ["stdin"], ["7"], [None])[0] == [1.0]
+        scores, _, n_errors = score_batch(
+            fn, ["a"], ["sandbox"], [str(pid_file)], [None], reward_errors="zero"
+        )
+        assert scores == [0.0] and n_errors == 1
+        sandbox = int(pid_file.read_text())
+        deadline = time.monotonic() + 5
+        while alive(sandbox) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(sandbox)
+    finally:
+        fn.close()
 
 
 @pytest.mark.parametrize("workers", [0, 2])
