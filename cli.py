@@ -73,8 +73,12 @@ VERL = {
     "use_fused_kernels": f"{ARA}.model.use_fused_kernels",
     "compile_update": None,
     "warm_compile_caches": None,
-    "custom_reward_function_path": "reward.custom_reward_function.path",
-    "custom_reward_function_name": "reward.custom_reward_function.name",
+    "custom_reward_function_path": (
+        "custom_reward_function.path / reward.custom_reward_function.path"
+    ),
+    "custom_reward_function_name": (
+        "custom_reward_function.name / reward.custom_reward_function.name"
+    ),
     "reward_errors": None,
     "reward_workers": None,
     "reward_timeout": None,
@@ -271,13 +275,34 @@ VERL_ELSEWHERE = {
     "data.return_raw_chat": "prompts are tokenized here",
 }
 
+# verl's keys for a choice that has one answer here: the values that ask for it (None: any) are
+# left out with a note, another is refused; both say why
+VERL_SETTLED = {
+    "actor_rollout_ref.actor.strategy": (("fsdp", "fsdp2"), "training is FSDP2 here"),
+    "critic.strategy": (("fsdp", "fsdp2"), "training is FSDP2 here"),
+    "actor_rollout_ref.rollout.mode": (
+        ("sync", "async"),
+        "the engine runs in the trainer's own process",
+    ),
+    "actor_rollout_ref.rollout.free_cache_engine": (
+        ("true",),
+        "the engine always frees its memory while the trainer trains",
+    ),
+    "reward_model.enable": (
+        ("false",),
+        "rewards come from rules or --custom_reward_function_path (no reward model)",
+    ),
+    "reward_model.reward_manager": (("naive",), "rewards are scored one response at a time"),
+    "data.dataloader_num_workers": (None, "the data is read once, at start-up"),
+}
+
 
 def verl_flags(Args, argv):
     """verl's `section.key=value` arguments (Hydra's, as in verl's tutorials) as this script's
     flags; a key with no counterpart is named. Hydra's `+` prefixes are taken, `null` leaves the
     default."""
     names = {f.name for f in fields(Args)}
-    keys, out, script = verl_keys(), [], os.path.basename(sys.argv[0])
+    keys, out, script, unknown = verl_keys(), [], os.path.basename(sys.argv[0]), []
     for arg in argv:
         m = re.fullmatch(r"\+{0,2}([A-Za-z_]\w*(?:\.\w+)+)=(.*)", arg)
         if m is None:
@@ -291,21 +316,29 @@ def verl_flags(Args, argv):
                 f"{key}={value}: {VERL_ELSEWHERE[key]}; this one is {script} ({ours})",
             )
             continue
+        value = value.replace("'", "").replace('"', "").strip()  # Hydra's quotes
+        if value.startswith("[") and value.endswith("]"):  # a list: [a,b] reads as a,b
+            value = ",".join(v.strip() for v in value[1:-1].split(","))
+        if key in VERL_SETTLED:
+            values, why = VERL_SETTLED[key]
+            need(values is None or value.lower() in values, f"verl's {key}={value}: {why}")
+            print(f"{script}: verl's {key}={value}: {why}: left out", file=sys.stderr)
+            continue
         if key in keys and keys[key][0] not in names:  # another script's (PPO's critic_*)
             print(f"{script}: verl's {key} has no meaning here: left out", file=sys.stderr)
             continue
         if key not in keys:
             near = difflib.get_close_matches(key, list(keys), n=2, cutoff=0.75)
-            hint = f"; did you mean {' or '.join(near)}?" if near else ""
-            why = VERL_ELSEWHERE.get(key, "it has no counterpart here")
-            need(False, f"verl's {key}: {why}{hint} (docs/flags.md maps verl's keys to flags)")
+            hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+            unknown.append(f"verl's {key}: {VERL_ELSEWHERE.get(key, 'no counterpart here')}{hint}")
+            continue
         name, inverted = keys[key]
-        value = value.replace("'", "").replace('"', "").strip()  # Hydra's quotes, ['a','b'] too
         if value.lower() in ("null", "none", "~"):
             continue  # the default
         if inverted:
             value = "false" if value.lower() in ("true", "1", "yes") else "true"
         out += [f"--{name}", value]
+    need(not unknown, "; ".join(unknown) + " (docs/flags.md maps verl's keys to flags)")
     return out
 
 
