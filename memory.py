@@ -113,7 +113,12 @@ def config_of(path):
     if not local:  # reachable or cached, or said so in seconds
         import models
 
-        models.check_source(path)
+        try:
+            models.check_source(path)
+        except SystemExit as error:
+            known = ", ".join(KNOWN)
+            why = f"{error.code}; with no network the planner knows {known} (and their -Instruct)"
+            raise SystemExit(why) from None
     try:
         return AutoConfig.from_pretrained(path)
     except OSError as error:

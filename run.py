@@ -508,8 +508,8 @@ def start(args, check_args, declare_models):
     the number of steps and the memory plan; with --warm_compile_caches, the compiling helper.
     Refuses a fresh run (--resume_mode disable) in a folder that holds another run's checkpoints."""
     rank, world, device = init_distributed()
-    try:
-        check_args(args, world)
+    try:  # --print_plan checks the flags as for the GPUs it plans for
+        check_args(args, planned_world(args, world) if args.print_plan else world)
     except ValueError as error:  # a mode the script's math does not know, named by it
         need(False, str(error))
     specs = [m for m in declare_models(args) if m is not None]
@@ -540,10 +540,14 @@ def start(args, check_args, declare_models):
             print(memory.plan_message(plan, args, specs), flush=True)
         finished.set()  # a clean exit, not a run ended early
         raise SystemExit(0 if plan.fits else 1)
+    planned = [
+        f"--{n} {getattr(args, n)}" for n in ("n_gpus_per_node", "nnodes") if getattr(args, n)
+    ]
     need(
         gpus == world,
-        f"--n_gpus_per_node {args.n_gpus_per_node} x --nnodes {args.nnodes} = {gpus} GPUs, but "
-        f"{world} processes were launched: drop them (they are for --print_plan) or launch as many",
+        f"{' '.join(planned)} plan for {gpus} GPUs, but {world} processes were launched: drop "
+        "them (they are for --print_plan), or launch as many (torchrun --nproc_per_node N, "
+        "--nnodes M)",
     )
     check_paths(args)
     if args.resume_mode == "disable" and checkpoint.list_checkpoints(args.default_local_dir):

@@ -327,7 +327,8 @@ def test_print_plan_offline_by_hub_name_for_gpus_not_launched_and_its_exit_statu
     assert "turned on --enable_gradient_checkpointing" in out.stdout
     assert "left out the compiling helper (--warm_compile_caches false)" in out.stdout
     eight = ["--model", "Qwen/Qwen3-8B", "--gpu_memory_gib", "80", "--n_gpus_per_node", "8"]
-    out = print_plan(["train_grpo.py", *eight], tmp_path)
+    # the flags checked as for the 8 GPUs planned (TP 2 divides 8, not the 1 process launched)
+    out = print_plan(["train_grpo.py", *eight, "--tensor_model_parallel_size", "2"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "memory plan for 8 GPUs of 80.0 GiB" in out.stdout
     big = ["--model", "Qwen/Qwen2.5-7B-Instruct", "--gpu_memory_gib", "24"]
@@ -339,7 +340,7 @@ def test_print_plan_offline_by_hub_name_for_gpus_not_launched_and_its_exit_statu
     assert unknown.returncode == 1
     assert "--model org/unknown-7b is not a local folder and not in the hub's cache" in (
         unknown.stderr
-    )
+    ) and "with no network the planner knows Qwen/Qwen2.5-0.5B, " in unknown.stderr
 
 
 def test_a_smaller_gpu_on_a_larger_one_caps_the_trainer_and_the_engines_share(monkeypatch):
