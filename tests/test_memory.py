@@ -338,9 +338,11 @@ def test_print_plan_offline_by_hub_name_for_gpus_not_launched_and_its_exit_statu
     unknown = print_plan(["train_grpo.py", "--model", "org/unknown-7b", "--gpu_memory_gib", "80"],
                          tmp_path)  # fmt: skip
     assert unknown.returncode == 1
-    assert "--model org/unknown-7b is not a local folder and not in the hub's cache" in (
-        unknown.stderr
-    ) and "with no network the planner knows Qwen/Qwen2.5-0.5B, " in unknown.stderr
+    assert (
+        "--model org/unknown-7b is not a local folder and not in the hub's cache"
+        in (unknown.stderr)
+        and "with no network the planner knows Qwen/Qwen2.5-0.5B, " in unknown.stderr
+    )
 
 
 def test_a_smaller_gpu_on_a_larger_one_caps_the_trainer_and_the_engines_share(monkeypatch):
