@@ -52,6 +52,21 @@ def latest_checkpoint(root: str) -> str | None:
     return os.path.join(root, f"global_step_{steps[-1]}") if steps else None
 
 
+def set_aside_later(root: str, step: int) -> None:
+    """A run resumed from an earlier checkpoint of its folder (--resume_mode PATH) trains another
+    branch: the later checkpoints there are the old branch's, which `--resume_mode auto` would take
+    for this one's. They are kept as `global_step_N.abandoned`."""
+    for later in [s for s in list_checkpoints(root) if s > step]:
+        folder = os.path.join(root, f"global_step_{later}")
+        aside = next(
+            f"{folder}.abandoned" + (f".{i}" if i else "")
+            for i in range(10**6)
+            if not os.path.exists(f"{folder}.abandoned" + (f".{i}" if i else ""))
+        )
+        os.replace(folder, aside)
+        print(f"{folder} is a later step of the branch resumed from: kept as {aside}", flush=True)
+
+
 def save_checkpoint(
     root: str,
     step: int,

@@ -214,6 +214,8 @@ class Run:
         folder = os.path.dirname(os.path.normpath(resume)) if resume else None
         here = folder is not None and os.path.samefile(folder, args.default_local_dir)
         self.last_row = state.get("metrics_row") if here else None
+        if here and args.resume_mode != "auto" and not args.val_only and self.rank == 0:
+            checkpoint.set_aside_later(args.default_local_dir, self.step)
         if self.step >= self.total_steps and not args.val_only:
             if self.rank == 0:
                 path = os.path.join(args.default_local_dir, "metrics.jsonl")

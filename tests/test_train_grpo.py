@@ -625,6 +625,22 @@ def test_a_sigterm_in_the_last_step_checkpoints_it_and_the_same_command_exports(
     assert (out / "hf_model" / "config.json").exists()
 
 
+def test_resuming_from_an_earlier_checkpoint_sets_the_later_ones_aside(assets, hf_run):
+    """--resume_mode PATH at step 1 of a run that went on to step 2: the new branch's steps replace
+    the old one's, whose step 2 is kept as global_step_2.abandoned, so that a later
+    --resume_mode auto continues this branch, never the old."""
+    out = assets["tmp"] / "branched"
+    shutil.copytree(hf_run, out, ignore=shutil.ignore_patterns("hf_model", ".lock"))
+    proc = launch(flags(assets, out, "hf", 2, str(out / "global_step_1")))
+    assert proc.returncode == 0, proc.output[-6000:]
+    assert f"{out / 'global_step_2'} is a later step of the branch resumed from: kept as " in (
+        proc.output
+    )
+    assert checkpoint.list_checkpoints(str(out)) == [1, 2]  # step 2 is the new branch's
+    assert (out / "global_step_2.abandoned" / "COMPLETE").exists()
+    assert sorted(metrics_by_step(out)) == [0, 1, 2]
+
+
 def test_resuming_a_finished_run_does_nothing(assets, hf_run):
     before = (hf_run / "metrics.jsonl").read_text()
     checkpoints = sorted(os.listdir(hf_run))
