@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -378,7 +379,9 @@ def _serve(path, name, parent, parent_death_signal):
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # user code reading stdin reads nothing, not calls
     fn = load_reward_function(path, name)
     while (kwargs := _receive(calls)) is not None:
-        outcome = _call(fn, kwargs, BaseException)[:2]  # the exception itself may not pickle
+        outcome = _call(fn, kwargs, BaseException)
+        if len(outcome) > 2:  # the exception itself may not pickle: its traceback as text
+            outcome = (*outcome[:2], "".join(traceback.format_exception(outcome[2])))
         try:
             _send(outcomes, outcome)
         except (pickle.PicklingError, TypeError, AttributeError) as e:
@@ -388,9 +391,15 @@ def _serve(path, name, parent, parent_death_signal):
 def _number(x):
     """x as a finite float, or None when it is not a number (bool and numpy scalars count: True
     -> 1.0)."""
-    if isinstance(x, numbers.Real) and math.isfinite(x):
-        return float(x)
+    try:  # finite in float32, as the rewards are trained on
+        if isinstance(x, numbers.Real) and math.isfinite(x) and abs(x) <= FLOAT32_MAX:
+            return float(x)
+    except OverflowError:  # an int beyond any float
+        pass
     return None
+
+
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _where(i, source, response):
@@ -452,9 +461,13 @@ def score_batch(
             where = _where(i, call["data_source"], call["solution_str"])
             message = f"reward function {label} {what} on {where}"
             if kind == "ok":
-                message += "; it must return a number or a dict with a numeric 'score'"
+                message += (
+                    "; it must return a number (finite in float32) or a dict with a numeric 'score'"
+                )
             if reward_errors == "raise":
                 cause = outcome[2] if len(outcome) > 2 else None
+                if isinstance(cause, str):  # a worker's: its traceback as text
+                    message, cause = f"{message}\n(in the worker) {cause.rstrip()}", None
                 raise RuntimeError(
                     f"{message}. Pass --reward_errors zero to score such samples 0.0"
                 ) from cause

@@ -660,7 +660,7 @@ def launch(main, Args):
         if not clean and dist.is_initialized() and dist.get_world_size() > 1:
             fail(error)  # ends the process
         reward.close_all()
-        raise error from None
+        raise error from error.__cause__  # its cause kept: a reward's error points into its file
     finished.set()
     reward.close_all()
     if dist.is_initialized():

@@ -204,7 +204,8 @@ def test_score_batch_errors(reward_file):
 
 
 @pytest.mark.parametrize(
-    "returned", ["None", "'1.0'", "float('nan')", "{'acc': 1.0}", "{'score': None}"]
+    "returned",
+    ["None", "'1.0'", "float('nan')", "{'acc': 1.0}", "{'score': None}", "10**400", "1e39"],
 )
 def test_score_batch_bad_return(reward_file, returned):
     fn = load_reward_function(reward_file, "returns")
@@ -425,6 +426,10 @@ def test_a_reward_call_that_stalls_dies_or_raises_is_a_reward_error(stalling, ca
         assert "did not return within --reward_timeout 1.0 s on sample 1 (data_source='math'" in (
             str(e.value)
         ) and "Pass --reward_errors zero" in str(e.value)
+        # an error in a worker names the line of the function that raised it
+        with pytest.raises(RuntimeError) as e:
+            score_batch(fn, ["gsm"], ["raise"], ["7"], [None])
+        assert "(in the worker) Traceback" in str(e.value) and f'File "{stalling}"' in str(e.value)
         pids = [p.pid for p in fn.workers]
     finally:
         fn.close()
