@@ -350,6 +350,7 @@ def check_flag_names(Args, argv):
             continue
         name = arg[2:].split("=")[0].replace("-", "_")
         near = [] if name in names else difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+        near = near or [n for n in names if n.endswith("_" + name)]  # --lr: --actor_lr, ...
         hint = f"; did you mean {' or '.join('--' + n for n in near)}?" if near else ""
         need(name in names, f"unknown flag {arg.split('=')[0]}{hint} (--help lists the flags)")
 

@@ -443,6 +443,17 @@ def check_args(args, world_size):
         f"--resume_mode must be auto, disable or an existing global_step_N folder, got "
         f"{args.resume_mode!r}",
     )
+    need(
+        args.resume_mode in ("auto", "disable")
+        or os.path.exists(os.path.join(args.resume_mode, "COMPLETE")),
+        f"--resume_mode {args.resume_mode} is not a checkpoint (a global_step_N folder a run "
+        "wrote whole, with its COMPLETE marker)",
+    )
+    need(
+        args.custom_reward_function_name == "compute_score" or args.custom_reward_function_path,
+        f"--custom_reward_function_name {args.custom_reward_function_name} needs "
+        "--custom_reward_function_path, the file that defines it",
+    )
     for kind in (k.strip() for k in args.logger.strip("[]").split(",") if k.strip()):
         need(
             kind in ("console", "jsonl", "wandb", "tensorboard"),

@@ -32,6 +32,7 @@ import sys
 import traceback
 from collections import Counter
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -451,9 +452,11 @@ class Run:
                 os.path.join(args.default_local_dir, "hf_model"), actor, self.tokenizer
             )
             if self.rank == 0:
+                kept = checkpoint.list_checkpoints(args.default_local_dir)
+                saved = f"checkpoints {args.default_local_dir}; " if kept else ""
                 print(
-                    f"done: {step} steps; metrics {self.logger.path}; checkpoints "
-                    f"{args.default_local_dir}; final policy (Hugging Face format) {path}",
+                    f"done: {step} step{'s' if step != 1 else ''}; metrics {self.logger.path}; "
+                    f"{saved}final policy (Hugging Face format) {path}",
                     flush=True,
                 )
         self.logger.close()
@@ -470,6 +473,13 @@ def check_paths(args):
         blocked is None,
         f"--default_local_dir {args.default_local_dir}: {blocked} is a file, not a folder; give a "
         "folder for the checkpoints and metrics",
+    )
+    here = Path(os.path.abspath(args.default_local_dir))
+    existing = next(p for p in [here, *here.parents] if p.exists())
+    need(
+        os.access(existing, os.W_OK | os.X_OK),
+        f"--default_local_dir {args.default_local_dir}: {existing} cannot be written to; give a "
+        "folder this user can write",
     )
     model = os.path.expanduser(args.model)
     if os.path.isdir(model):  # a local folder, not a hub id
@@ -516,6 +526,17 @@ def start(args, check_args, declare_models):
         need(False, str(error))
     specs = [m for m in declare_models(args) if m is not None]
     check_budgets(args, specs)
+    offloaded = [
+        getattr(s, switch)
+        for s in specs
+        for switch in ("param_offload", "optimizer_offload")
+        if s.on(args, switch)
+    ]
+    need(
+        device.type == "cuda" or not offloaded,
+        f"--{offloaded[0] if offloaded else ''} keeps a model's state on the CPU between its "
+        "passes on the GPU; with no GPU there is nothing to offload: drop it",
+    )
     run = Run(args, rank, world, device, specs)
     if device.type == "cuda":
         run.gpu_bytes = torch.cuda.get_device_properties(device).total_memory
@@ -535,7 +556,7 @@ def start(args, check_args, declare_models):
     if args.print_plan:  # the model's config only: no weights, no data
         need(
             device.type == "cuda" or args.gpu_memory_gib,
-            "--print_plan: no GPU is visible; say which with --gpu_memory_gib G",
+            "--print_plan: no GPU is visible; say what size to plan for with --gpu_memory_gib G",
         )
         plan = plan_memory(run, gpus, args.max_prompt_length)
         if rank == 0:

@@ -47,8 +47,18 @@ def test_a_flag_error_is_one_line_naming_the_closest_flags():
         cli.parse(train_grpo.Args, ["--critic_lr", "1e-5"])  # PPO's, not GRPO's
     assert "unknown flag --critic_lr" in str(e.value.code)
     with pytest.raises(SystemExit) as e:
+        cli.parse(train_ppo.Args, ["--lr", "1e-6"])  # the flags it may mean: ending in _lr
+    assert "unknown flag --lr; did you mean --actor_lr or --critic_lr?" in str(e.value.code)
+    with pytest.raises(SystemExit) as e:
         cli.parse(train_grpo.Args, ["stray", "--rollout_n", "4"])
     assert "not a flag or a flag's value: stray" in str(e.value.code)
+    # flags that make sense alone and not with the rest, before anything loads
+    for argv, message in [
+        (["--custom_reward_function_name", "f"], "needs --custom_reward_function_path"),
+        (["--resume_mode", str(ROOT)], f"--resume_mode {ROOT} is not a checkpoint"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            train_grpo.check_args(cli.parse(train_grpo.Args, argv), 1)
     for argv, message in [(["--modle", "x"], "did you mean --model?"),
                           (["--rollout_n", "x"], "invalid int value: 'x'")]:  # fmt: skip
         out = subprocess.run([sys.executable, "train_grpo.py", *argv], cwd=ROOT,

@@ -765,6 +765,7 @@ BAD_INPUT = [
     "empty_train_file",
     "loss_agg_mode",
     "reward_signature",
+    "offload_on_cpu",
 ]
 
 
@@ -834,6 +835,9 @@ def bad_input(assets, case):
         bad.write_text("def compute_score(solution, answer):\n    return 0.0\n")
         args[args.index("--custom_reward_function_path") + 1] = str(bad)
         expected = [f"{bad}: compute_score(solution, answer) cannot be called as"]
+    elif case == "offload_on_cpu":
+        args += ["--param_offload"]
+        expected = ["--param_offload keeps a model's state on the CPU between its passes"]
     elif case == "checkpoints_under_a_file":
         args[args.index("--default_local_dir") + 1] = str(assets["reward"] / "run")
         expected = [f"{assets['reward']} is a file, not a folder"]
