@@ -200,6 +200,8 @@ class RewardFunction:
         self.lock = threading.Lock()  # validation and a background rollout may score at once
         self.busy = None  # the call in progress, for a SIGTERM's message
         self.workers = [self._start() for _ in range(workers)]
+        # workers still importing the function's file: a call's time limit starts once it has
+        self.starting = set(range(workers))
         _OPEN.append(self)
 
     def _start(self):
@@ -248,7 +250,8 @@ class RewardFunction:
                 for w in busy:  # abandoned mid-call: a fresh worker in its place
                     self._restart(w)
                 return [o if o is not None else ("skipped", None) for o in outcomes]
-            for w in [w for w in range(len(self.workers)) if w not in busy]:
+            idle = [w for w in range(len(self.workers)) if w not in busy and w not in self.starting]
+            for w in idle:
                 if not todo:
                     break
                 i = todo.pop()
@@ -258,14 +261,21 @@ class RewardFunction:
                     outcomes[i] = ("died", self._restart(w))
                     continue
                 busy[w] = (i, time.monotonic() + self.timeout if self.timeout else None)
-            if not busy:
+            watched = set(busy) | (self.starting if todo else set())
+            if not watched:
                 continue
             deadlines = [d for _, d in busy.values() if d is not None]
             wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-            by_fd = {self.workers[w].stdout.fileno(): w for w in busy}
+            by_fd = {self.workers[w].stdout.fileno(): w for w in watched}
             ready, _, _ = select.select(list(by_fd), [], [], wait)
             for fd in ready:
                 w = by_fd[fd]
+                if w in self.starting:  # its "ready", or its end: then another in its place
+                    if _receive(self.workers[w].stdout) is None:
+                        self._restart(w)
+                    else:
+                        self.starting.discard(w)
+                    continue
                 i, _ = busy.pop(w)
                 out = _receive(self.workers[w].stdout)
                 outcomes[i] = out if out is not None else ("died", self._restart(w))
@@ -286,6 +296,7 @@ class RewardFunction:
         for f in (old.stdin, old.stdout):
             f.close()
         self.workers[w] = self._start()
+        self.starting.add(w)
         return code
 
     def close(self):
@@ -378,6 +389,7 @@ def _serve(path, name, parent, parent_death_signal):
     os.dup2(2, 1)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # user code reading stdin reads nothing, not calls
     fn = load_reward_function(path, name)
+    _send(outcomes, ("ready",))  # the time limit of its calls starts now
     while (kwargs := _receive(calls)) is not None:
         outcome = _call(fn, kwargs, BaseException)
         if len(outcome) > 2:  # the exception itself may not pickle: its traceback as text

@@ -457,6 +457,24 @@ def test_a_worker_reads_no_calls_as_input_and_a_timeout_ends_what_it_started(sta
         fn.close()
 
 
+def test_a_calls_time_limit_leaves_out_the_workers_import(tmp_path):
+    """A reward file that takes 1.5 s to import, calls limited to 1 s: every call after a timeout
+    is timed from when the worker that replaced the stalled one has imported it, not from when
+    it started (which made every later call time out as well)."""
+    path = tmp_path / "slow_import.py"
+    path.write_text("import time\ntime.sleep(1.5)\n" + STALLING)
+    fn = reward.RewardFunction(path, workers=1, timeout=1.0)
+    try:
+        for responses in (["7"], ["sleep", "7", "7"]):
+            scores, _, n_errors = score_batch(
+                fn, ["a"] * len(responses), responses, ["7"] * len(responses),
+                [None] * len(responses), reward_errors="zero",
+            )  # fmt: skip
+            assert n_errors == responses.count("sleep") and scores[-1] == 1.0
+    finally:
+        fn.close()
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_reward_that_leaves_is_a_reward_error_and_raise_mode_stops_at_the_first(
     stalling, capfd, workers
