@@ -339,8 +339,10 @@ class RunArgs:
         ),
         gt=0,
     )
-    val_n: int = flag(1, "val_only: samples per prompt for pass@k (T=val_temperature)", ge=1)
-    val_temperature: float = flag(1.0, "val_only: temperature of the pass@k samples", ge=0)
+    val_n: int = flag(
+        1, "above 1: each validation also samples this many per prompt, for pass@k", ge=1
+    )
+    val_temperature: float = flag(1.0, "temperature of --val_n's samples", ge=0)
     max_val_samples: int | None = flag(None, "validate on the first N prompts", ge=1)
     resume_mode: str = flag("auto", "auto | disable | a global_step_N folder")
     default_local_dir: str | None = flag(None, "default checkpoints/PROJECT/EXPERIMENT")

@@ -338,23 +338,18 @@ class Run:
         busy = getattr(self.reward_fn, "busy", None)
         return phase + (f", {busy}" if busy else "")
 
-    def validate(self, step=None, **kw):
-        return validate(
-            self.engine,
-            self.val,
-            self.args,
-            self.tokenizer,
-            self.reward_fn,
-            self.step if step is None else step,
-            **kw,
-        )
+    def validate(self, step=None):
+        """Greedy mean@1 of the policy and, with --val_n above 1, sampled mean@n and pass@k."""
+        step = self.step if step is None else step
+        val = (self.engine, self.val, self.args, self.tokenizer, self.reward_fn, step)
+        metrics = validate(*val)
+        if self.args.val_n > 1:
+            metrics |= validate(*val, n=self.args.val_n, temperature=self.args.val_temperature)
+        return metrics
 
     def validate_only(self):
-        """--val_only: greedy mean@1 of the loaded policy and, with --val_n, sampled pass@k; logged
-        as step N."""
+        """--val_only: the loaded policy's validation, logged as step N."""
         metrics = self.validate()
-        if self.args.val_n > 1:
-            metrics |= self.validate(n=self.args.val_n, temperature=self.args.val_temperature)
         self.logger.log(metrics, self.step)
         self.logger.close()
         return metrics

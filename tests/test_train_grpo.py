@@ -631,14 +631,19 @@ def test_resuming_from_an_earlier_checkpoint_sets_the_later_ones_aside(assets, h
     --resume_mode auto continues this branch, never the old."""
     out = assets["tmp"] / "branched"
     shutil.copytree(hf_run, out, ignore=shutil.ignore_patterns("hf_model", ".lock"))
-    proc = launch(flags(assets, out, "hf", 2, str(out / "global_step_1")))
+    proc = launch(flags(assets, out, "hf", 2, str(out / "global_step_1"), "--val_n", "2"))
     assert proc.returncode == 0, proc.output[-6000:]
     assert f"{out / 'global_step_2'} is a later step of the branch resumed from: kept as " in (
         proc.output
     )
     assert checkpoint.list_checkpoints(str(out)) == [1, 2]  # step 2 is the new branch's
     assert (out / "global_step_2.abandoned" / "COMPLETE").exists()
-    assert sorted(metrics_by_step(out)) == [0, 1, 2]
+    rows = metrics_by_step(out)
+    assert sorted(rows) == [0, 1, 2]
+    # --val_n at each validation: greedy mean@1, and sampled mean@2 and pass@k
+    assert {"mean@1", "mean@2", "pass@2"} <= {
+        k.rsplit("/", 1)[1] for k in rows[2] if k.startswith("val-core/openai/gsm8k/reward/")
+    }
 
 
 def test_resuming_a_finished_run_does_nothing(assets, hf_run):
