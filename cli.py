@@ -275,6 +275,10 @@ VERL_ELSEWHERE = {
     "data.return_raw_chat": "prompts are tokenized here",
 }
 
+# verl's values that mean something else here, as ours: verl's trainer.critic_warmup=N updates the
+# actor from its step N (steps count from 1), --critic_warmup N after N critic-only steps
+VERL_VALUES = {"critic_warmup": lambda v: str(max(int(v) - 1, 0)) if v.isdigit() else v}
+
 # verl's keys for a choice that has one answer here: the values that ask for it (None: any) are
 # left out with a note, another is refused; both say why
 VERL_SETTLED = {
@@ -337,6 +341,8 @@ def verl_flags(Args, argv):
             continue  # the default
         if inverted:
             value = "false" if value.lower() in ("true", "1", "yes") else "true"
+        if name in VERL_VALUES:
+            value = VERL_VALUES[name](value)
         out += [f"--{name}", value]
     need(not unknown, "; ".join(unknown) + " (docs/flags.md maps verl's keys to flags)")
     return out

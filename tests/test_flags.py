@@ -131,6 +131,9 @@ def test_verls_command_line_is_taken_through_the_flags_table(monkeypatch, capsys
     args = cli.parse(train_ppo.Args, [*hydra, "actor_rollout_ref.rollout.enforce_eager=False"])
     assert args.critic_lr == 2e-5 and args.val_files == train_ppo.Args().val_files
     assert args.rollout_compile is True
+    # verl's critic warm-up of 3 updates the actor from step 3: two critic-only steps here
+    assert cli.parse(train_ppo.Args, ["trainer.critic_warmup=3"]).critic_warmup == 2
+    assert cli.parse(train_ppo.Args, ["trainer.critic_warmup=0"]).critic_warmup == 0
 
 
 def test_a_hub_model_that_cannot_be_had_fails_in_seconds_naming_the_ways_out(tmp_path):
