@@ -242,6 +242,8 @@ def parser(Args):
                 action.help = help_text(f)
             if action.nargs == "?" and action.const is True:  # --flag, --flag true|false
                 action.metavar = "true|false"
+            elif f.type in (bool | None, "bool | None"):  # left to start-up unless given
+                action.metavar = "true|false"
             elif action.nargs != 0:
                 action.metavar = {int: "N", float: "X"}.get(action.type, "VALUE")
             if group is not options:
