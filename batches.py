@@ -260,10 +260,11 @@ class Batches:
             "all_equal_streak": {i: z for i, z in enumerate(self.streak) if z},
         }
 
-    def close(self):
-        """A batch still generating (the run stopped early) ends before the engine does."""
+    def close(self, wait=True):
+        """A batch still generating ends before the engine does; or, `wait` false (a stop, its
+        checkpoint written), is left to end with the process."""
         if self.pool:
-            self.pool.shutdown(wait=True)
+            self.pool.shutdown(wait=wait, cancel_futures=not wait)
 
     def _push(self):
         self.engine.update_weights(

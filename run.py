@@ -425,13 +425,14 @@ class Run:
         return stopping
 
     def finish(self, step, metrics, actor, source):
-        """After the loop: the last batch in flight ended, then either the stop's message (a
-        SIGTERM) or the final policy exported as a Hugging Face folder (--export_final); the logs
-        closed."""
+        """After the loop: the stop's message (a SIGTERM; a batch still generating is not waited
+        for) or, the last batch in flight ended, the final policy exported as a Hugging Face folder
+        (--export_final); the logs closed."""
         args = self.args
         self.bar.close()
-        source.close()
         self.stop.stand_down()
+        # a stop's checkpoint is written: a batch still generating is not waited for
+        source.close(wait=not self.stopping)
         if self.stopping:
             if self.rank == 0:
                 then = "writes the final policy" if step == self.total_steps else "continues"

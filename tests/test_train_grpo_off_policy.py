@@ -232,3 +232,35 @@ def test_engines_in_other_processes_take_no_turn():
     finally:
         release.set()
         holder.join()
+
+
+SIGTERM_WHILE_THE_NEXT_BATCH_GENERATES = """
+import os, signal, time
+CALLS = __file__ + ".calls"
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    with open(CALLS, "a") as f:
+        f.write("x")
+    calls = os.path.getsize(CALLS)
+    if calls == 9:  # step 2's batch, generating beside step 1's update
+        os.kill(os.getpid(), signal.SIGTERM)
+    if calls > 8:
+        time.sleep(1.0)
+    return 0.0
+"""
+
+
+def test_a_stop_does_not_wait_for_the_batch_generating_beside_it(assets, tmp_path):
+    """A SIGTERM while the next batch generates in the background (its reward calls take 1 s each,
+    8 of them): the step in progress is checkpointed and the run ends at once, without waiting for
+    that batch past the 2 s --stop_grace_s (whose deadline then said, wrongly, that nothing was
+    checkpointed, and ended the run with status 143)."""
+    reward_fn = tmp_path / "slow_next_batch.py"
+    reward_fn.write_text(SIGTERM_WHILE_THE_NEXT_BATCH_GENERATES)
+    out = tmp_path / "run"
+    extra = ["--one_step_off_policy", "--custom_reward_function_path", str(reward_fn)]
+    extra += ["--test_freq", "-1", "--val_before_train", "false", "--stop_grace_s", "2"]
+    proc = launch(flags(assets, out, "vllm", 3, "disable", *extra), nproc=0)
+    assert proc.returncode == 0, proc.output[-6000:]
+    assert "stopped by SIGTERM after step 1 of 3, checkpointed" in proc.output, proc.output[-3000:]
+    assert "without checkpointing" not in proc.output
+    assert (out / "global_step_1" / "COMPLETE").exists()
