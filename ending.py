@@ -17,25 +17,28 @@ import torch.distributed as dist
 import reward
 import sharding
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # a scheduler's or timeout's; a closed terminal's
+
 
 class StopRequest:
-    """SIGTERM, the notice a batch scheduler or `timeout` gives before it kills a job, noted instead
-    of obeyed: the train loop asks `agreed` after each step's update, again after its validation and
-    after its checkpoint, and when any rank was signalled all of them checkpoint that step and stop,
-    so `--resume_mode auto` continues where the run stopped rather than from the last `--save_freq`
-    checkpoint. A run still short of that stop `grace` seconds after the first SIGTERM (a phase
-    stuck: a reward call that never returns, a rank waiting for one that hangs) ends at once,
-    saying where it was (`where()`), before torchrun's kill 30 s after its own SIGTERM
-    (`--shutdown-timeout` from torch 2.12) would end it without a word. Every later SIGTERM is
-    noted the same way (`timeout` signals the workers and torchrun, which signals them again);
-    Ctrl-C (SIGINT) still stops at once."""
+    """SIGTERM, the notice a batch scheduler or `timeout` gives before it kills a job (and SIGHUP, a
+    closed terminal's), noted instead of obeyed: the train loop asks `agreed` after each step's
+    update, again after its validation and after its checkpoint, and when any rank was signalled
+    all of them checkpoint that step and stop, so `--resume_mode auto` continues where the run
+    stopped rather than from the last `--save_freq` checkpoint. A run still short of that stop
+    `grace` seconds after the first signal (a phase stuck: a reward call that never returns, a rank
+    waiting for one that hangs) ends at once, saying where it was (`where()`), before torchrun's
+    kill 30 s after its own SIGTERM (`--shutdown-timeout` from torch 2.12) would end it without a
+    word. Every later signal is noted the same way (`timeout` signals the workers and torchrun,
+    which signals them again); Ctrl-C (SIGINT) still stops at once."""
 
     def __init__(self, grace=None, where=None):
-        self.signalled, self.grace, self.where = False, grace, where
+        self.signalled, self.grace, self.where, self.signum = False, grace, where, None
         self.finished = threading.Event()  # the run has stopped: the deadline stands down
         # where Python runs signal handlers
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._note)
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, self._note)
             if grace is not None:
                 watchdog(grace + WATCHDOG_AFTER_S)
             if not _plain_child.registered:
@@ -45,15 +48,20 @@ class StopRequest:
     def _note(self, signum, frame):
         if not self.signalled and self.grace is not None:
             threading.Thread(target=self._deadline, daemon=True, name="sigterm_deadline").start()
+        self.signum = self.signum or signum
         self.signalled = True
+
+    @property
+    def name(self):
+        """The stop's signal, by name (the first, where several came)."""
+        return signal.Signals(self.signum or signal.SIGTERM).name
 
     def _deadline(self):
         if self.finished.wait(self.grace):
             return
         where = self.where() if self.where else "a phase"
-        why = (
-            f"a SIGTERM came {self.grace:g} s ago (--stop_grace_s) and the run is still in {where}"
-        )
+        why = f"a {self.name} came {self.grace:g} s ago (--stop_grace_s) and the run is still in "
+        why += where
         print(
             f"[rank {sharding.rank()}] {why}: ending now, without checkpointing this step; the "
             "same command with --resume_mode auto continues from the last checkpoint",
@@ -62,7 +70,7 @@ class StopRequest:
         )
         tell_peers(f"rank {sharding.rank()} ended: {why}")  # ranks waiting for this one end too
         reward.close_all()
-        os._exit(128 + signal.SIGTERM)
+        os._exit(128 + (self.signum or signal.SIGTERM))
 
     def stand_down(self):
         """The run has stopped stepping (it exports, or says where it stopped): no deadline, no
@@ -85,7 +93,8 @@ def _plain_child():
     it, as it would have ended the process it copies before the run took the signal over, and
     its signals reach no watchdog, which would take them for the trainer's."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)
         signal.set_wakeup_fd(-1)
 
 
@@ -104,13 +113,13 @@ while True:  # the numbers of the signals the trainer caught; 0: it stands down;
     got = os.read(0, 512)
     if not got or 0 in got:
         sys.exit(0)
-    if signal.SIGTERM in got:
+    if signal.SIGTERM in got or signal.SIGHUP in got:
         break
 deadline = time.monotonic() + wait
 while (left := deadline - time.monotonic()) > 0:
     if select.select([0], [], [], left)[0] and ((got := os.read(0, 512)) == b"" or 0 in got):
         sys.exit(0)  # it ended, or stood down, in time
-print(f"[watchdog] process {pid} is still running {wait:g} s after its SIGTERM and does not "
+print(f"[watchdog] process {pid} is still running {wait:g} s after its stop signal and does not "
       "respond (its interpreter is stuck, in C code that holds it): killed. The same command "
       "with --resume_mode auto continues from the last checkpoint", file=sys.stderr, flush=True)
 os.kill(pid, signal.SIGKILL)

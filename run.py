@@ -441,7 +441,8 @@ class Run:
                     f"--resume_mode auto {then} from there"
                 )
                 print(
-                    f"stopped by SIGTERM after step {step} of {self.total_steps}, {how}", flush=True
+                    f"stopped by {self.stop.name} after step {step} of {self.total_steps}, {how}",
+                    flush=True,
                 )
         elif args.export_final:
             path = checkpoint.export_hf(

@@ -102,7 +102,7 @@ def test_a_reward_that_raises_on_one_rank_ends_both_within_seconds(assets):
     rank_1_raises_and_both_end(assets)
 
 
-def sigterm_in_a_reward_call(assets, name, body, grace):
+def sigterm_in_a_reward_call(assets, name, body, grace, signum=signal.SIGTERM):
     """A run whose first reward call does `body`, signalled (SIGTERM) a second into that call;
     returns its exit status, its output and the seconds from the signal to its end."""
     path = reward_file(assets, name, first_call(body))
@@ -123,7 +123,7 @@ def sigterm_in_a_reward_call(assets, name, body, grace):
         time.sleep(0.2)
     time.sleep(1.0)  # well inside the call
     signalled = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     output = proc.communicate(timeout=60)[0]
     return proc.returncode, output, time.monotonic() - signalled, path, proc.pid
 
@@ -175,7 +175,7 @@ def test_the_stop_deadline_holds_when_the_interpreter_is_stuck_in_c_code(assets)
     code, output, took, _, pid = sigterm_in_a_reward_call(assets, "backtracks", stuck, 2)
     assert 2 + WATCHDOG_AFTER_S - 1 < took < 2 + WATCHDOG_AFTER_S + 5, output[-6000:]
     assert code == -signal.SIGKILL, output[-6000:]
-    assert f"[watchdog] process {pid} is still running 7 s after its SIGTERM" in output
+    assert f"[watchdog] process {pid} is still running 7 s after its stop signal" in output
 
 
 def test_a_child_the_reward_forks_and_terminates_leaves_the_run_alone(assets):
@@ -216,3 +216,13 @@ def test_after_the_steps_neither_deadline_nor_watchdog_ends_the_run():
     )
     assert proc.returncode == 0 and "exported" in proc.stdout, proc.stderr[-3000:]
     assert "[watchdog]" not in proc.stderr
+
+
+def test_a_sighup_stops_as_a_sigterm_does(assets):
+    """A closed terminal's SIGHUP in the middle of step 1 (a reward call of 2 s): the step is
+    checkpointed and the run stops, as for a SIGTERM, instead of dying with what it trained."""
+    code, output, _, _, _ = sigterm_in_a_reward_call(
+        assets, "hangup", "time.sleep(2)", 25, signal.SIGHUP
+    )
+    assert code == 0, output[-6000:]
+    assert "stopped by SIGHUP after step 1 of 2, checkpointed in" in output, output[-3000:]
