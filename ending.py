@@ -3,6 +3,7 @@ that fails ends every rank within seconds, its error first in torchrun's summary
 """
 
 import contextlib
+import errno
 import os
 import signal
 import subprocess
@@ -147,6 +148,33 @@ def watchdog(seconds):
         start_new_session=True,
     )
     os.close(read)
+
+
+class Unbroken:
+    """stdout or stderr as the run writes them, whose reader going away (`| head`, a terminal hung
+    up) does not end the run: what can no longer be written is dropped."""
+
+    def __init__(self, stream):
+        self.stream, self.broken = stream, False
+
+    def _guarded(self, call, *args):
+        if not self.broken:
+            try:
+                return call(*args)
+            except OSError as error:
+                if not isinstance(error, BrokenPipeError) and error.errno != errno.EIO:
+                    raise
+                self.broken = True
+
+    def write(self, text):
+        self._guarded(self.stream.write, text)
+        return len(text)
+
+    def flush(self):
+        self._guarded(self.stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 FAILED = "run/failed"  # the key in the process group's store that the first failed rank writes

@@ -50,7 +50,7 @@ import sharding
 from batches import batch_metrics, round_metrics, validate
 from cli import given_flags, parse
 from data.dataset import load_rl_dataset
-from ending import StopRequest, fail, finished, watch_peers
+from ending import StopRequest, Unbroken, fail, finished, watch_peers
 from flags import BadInput, file_in_the_way, need
 from metrics import (
     PHASES,
@@ -658,6 +658,7 @@ def plan_memory(run, world, prompt_len):
 
 def launch(main, Args):
     """The command line: parse the flags into the script's Args, run `main`, end the process."""
+    sys.stdout, sys.stderr = Unbroken(sys.stdout), Unbroken(sys.stderr)
     parsed = parse(Args)
     try:
         main(parsed)

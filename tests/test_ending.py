@@ -226,3 +226,22 @@ def test_a_sighup_stops_as_a_sigterm_does(assets):
     )
     assert code == 0, output[-6000:]
     assert "stopped by SIGHUP after step 1 of 2, checkpointed in" in output, output[-3000:]
+
+
+def test_a_reader_that_goes_away_does_not_end_the_run(assets):
+    """The run's output read by `| head`, which stops reading early: the run trains its steps and
+    exports, what it can no longer print dropped (it died of a BrokenPipeError at its next line)."""
+    out = assets["tmp"] / "headed_run"
+    args = flags(assets, out, "hf", 2, "disable", "--test_freq", "-1")
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    proc = subprocess.Popen(
+        [sys.executable, "train_grpo.py", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    proc.stdout.read(100)
+    proc.stdout.close()  # as head does once it has its lines
+    assert proc.wait(timeout=300) == 0
+    assert sorted(metrics_by_step(out)) == [1, 2] and (out / "hf_model").is_dir()
