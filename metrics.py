@@ -161,6 +161,11 @@ def repair_metrics(path, step, last_row=None):
                         False, f"{path} line {i} is not a JSON row ({e}): mend or delete that line"
                     )
                 print(f"{path}: dropped its torn last line {i} (a crash while it was written)")
+                continue
+            need(
+                isinstance(rows[-1], dict) and isinstance(rows[-1].get("step"), int),
+                f"{path} line {i} is not a step's row (no integer 'step'): mend or delete it",
+            )
         rows = [row for row in rows if row["step"] <= step]
     if last_row is not None and not any(row["step"] == step for row in rows):
         rows.append(last_row)

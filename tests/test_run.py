@@ -348,6 +348,9 @@ def test_repair_metrics_names_a_damaged_row_and_keeps_an_earlier_run(tmp_path, c
     write_rows(path, [{"step": 1}], tail='{"step": 2, oops}\n{"step": 3}\n')
     with pytest.raises(SystemExit, match=r"metrics.jsonl line 2 is not a JSON row"):
         metrics.repair_metrics(str(path), 3)
+    write_rows(path, [{"step": 1}, {"note": "lr raised here"}, {"step": 2}])  # a user's note
+    with pytest.raises(SystemExit, match=r"metrics.jsonl line 2 is not a step's row"):
+        metrics.repair_metrics(str(path), 2)
     # a fresh run in a folder that holds another run's metrics keeps them beside its own
     write_rows(path, [{"step": 0}, {"step": 1}])
     (tmp_path / "metrics.jsonl.1").write_text("taken\n")
