@@ -771,6 +771,7 @@ BAD_INPUT = [
     "loss_agg_mode",
     "reward_signature",
     "offload_on_cpu",
+    "longer_than_the_model",
 ]
 
 
@@ -840,6 +841,9 @@ def bad_input(assets, case):
         bad.write_text("def compute_score(solution, answer):\n    return 0.0\n")
         args[args.index("--custom_reward_function_path") + 1] = str(bad)
         expected = [f"{bad}: compute_score(solution, answer) cannot be called as"]
+    elif case == "longer_than_the_model":  # the tiny model's 1,024 positions
+        args[args.index("--max_response_length") + 1] = "2000"
+        expected = ["--max_response_length = 2256 tokens, more than --model"]
     elif case == "offload_on_cpu":
         args += ["--param_offload"]
         expected = ["--param_offload keeps a model's state on the CPU between its passes"]
