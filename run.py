@@ -542,16 +542,6 @@ def start(args, check_args, declare_models):
     if not args.print_plan:  # which reads configs only (memory.config_of)
         for path in dict.fromkeys(spec.path for spec in specs):  # hub ids: reachable, or cached
             models.check_source(path, "--model" if path == args.model else "the model")
-    config = memory.config_of(args.model)
-    positions = getattr(config, "max_position_embeddings", None)
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    stretched = rope.get("rope_type", "default") != "default"  # YaRN and the like reach further
-    longest = args.max_prompt_length + args.max_response_length
-    need(
-        not positions or longest <= positions or stretched,
-        f"--max_prompt_length + --max_response_length = {longest} tokens, more than --model "
-        f"{args.model} holds ({positions} positions): lower them",
-    )
     if device.type == "cpu" and rank == 0 and not args.print_plan:
         print(
             "no GPU is visible: this run trains on the CPU, which suits tiny models (bash "
@@ -580,6 +570,16 @@ def start(args, check_args, declare_models):
         "--nnodes M)",
     )
     check_paths(args)
+    config = memory.config_of(args.model)
+    positions = getattr(config, "max_position_embeddings", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    stretched = rope.get("rope_type", "default") != "default"  # YaRN and the like reach further
+    longest = args.max_prompt_length + args.max_response_length
+    need(
+        not positions or longest <= positions or stretched,
+        f"--max_prompt_length + --max_response_length = {longest} tokens, more than --model "
+        f"{args.model} holds ({positions} positions): lower them",
+    )
     if args.resume_mode == "disable" and checkpoint.list_checkpoints(args.default_local_dir):
         # a fresh run there would interleave its checkpoints with the old ones (and prune its own)
         need(
