@@ -386,13 +386,14 @@ def plan(
     )
     result.small = small
     awake = resident | {"engine": engine}
-    parts = {"gen": (awake, f"engine {engine_share:.2f}")}
+    share = f"engine {math.floor(engine_share * 100) / 100:.2f}"  # as --gpu_memory_utilization
+    parts = {"gen": (awake, share)}
     for key, phases in uses.items():
         for name, f in phases:
             parts[name] = (f(chosen[key]), f"{chosen[key]} tokens")
     # the pass without gradients first, then the updates, as a step runs them
     parts = dict(sorted(parts.items(), key=lambda kv: kv[0].startswith("update_")))
-    parts["update_weights"] = (awake, f"engine {engine_share:.2f}")
+    parts["update_weights"] = (awake, share)
     if not helper:  # a run's phases after its steps; not the first step's (beside the helper)
         parts["testing"] = parts["update_weights"]
         largest = max(m.shape.vocab * m.shape.hidden for m in models)  # an embedding
@@ -559,8 +560,8 @@ def plan_first_step(args, given, replan, budgets, helper, result):
     peak = max(p for p, _ in first.phases.values())
     result.notes.append(
         f"left out the compiling helper (--warm_compile_caches false): the first step, eager, "
-        f"needs up to {peak / GiB:.1f} GiB, and beside the helper's {helper / GiB:.1f} GiB "
-        f"{first.usable / GiB:.1f} GiB are left; the first step compiles its passes"
+        f"needs up to {peak / GiB:.1f} GiB, and only {first.usable / GiB:.1f} GiB are left beside "
+        f"the helper's {helper / GiB:.1f} GiB; the first step compiles its passes"
     )
 
 
