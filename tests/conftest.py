@@ -9,7 +9,7 @@ if ROOT not in sys.path:
 
 # One OpenMP thread a process, in the workers and in all they launch (torchrun's ranks, engines,
 # helpers): the workers already keep the cores busy, and more threads a process only spin against
-# each other (`make test` on 2 cores: 8:54 with torch's default threads, 7:58 with one, the same tests).
+# each other (`make test` on 2 cores, the same tests: 8:54 with torch's default, 7:58 with one).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # `make test` runs the test files on two workers (pytest-xdist, --dist loadfile
