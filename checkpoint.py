@@ -172,7 +172,12 @@ def _writing(tmp, root, what):
             else f"{type(error).__name__}: {error}"
         )
         latest = latest_checkpoint(root) if os.path.isdir(root) else None
-        kept = f"the last checkpoint, {latest}, is untouched" if latest else "no checkpoint before"
+        kept = (
+            f"the last checkpoint, {latest}, is untouched"
+            if latest
+            else "no checkpoint holds the steps trained so far (the same command trains them "
+            "again; --save_freq N checkpoints every N steps)"
+        )
         raise OSError(
             errno.ENOSPC if full else errno.EIO,
             f"writing {what} failed: {why}. The half-written folder is removed and {kept}. Free "
