@@ -12,6 +12,7 @@ model adds an entry.
 import contextlib
 import functools
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -152,6 +153,11 @@ def load(spec, device, args, trainable=None, layers=None):
             # an attribute: from_pretrained drops a keyword its config class lacks
             config.classifier_dropout = 0.0
             cls = AutoModelForTokenClassification
+            # FSDP2 warns that its output is a view, which an in-place op would cut off from the
+            # backward's gathers: the value pass reads it out of place (passes.forward_values)
+            warnings.filterwarnings(
+                "ignore", r"FSDP2-wrapped module \(FSDP\w+ForTokenClassification\) returned a view"
+            )
         else:
             config, cls = AutoConfig.from_pretrained(spec.path), AutoModelForCausalLM
         if layers is None:
