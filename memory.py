@@ -386,14 +386,14 @@ def plan(
     )
     result.small = small
     awake = resident | {"engine": engine}
-    share = f"engine {math.floor(engine_share * 100) / 100:.2f}"  # as --gpu_memory_utilization
-    parts = {"gen": (awake, share)}
+    engine_note = f"engine {math.floor(engine_share * 100) / 100:.2f}"  # as the flag gets it
+    parts = {"gen": (awake, engine_note)}
     for key, phases in uses.items():
         for name, f in phases:
             parts[name] = (f(chosen[key]), f"{chosen[key]} tokens")
     # the pass without gradients first, then the updates, as a step runs them
     parts = dict(sorted(parts.items(), key=lambda kv: kv[0].startswith("update_")))
-    parts["update_weights"] = (awake, share)
+    parts["update_weights"] = (awake, engine_note)
     if not helper:  # a run's phases after its steps; not the first step's (beside the helper)
         parts["testing"] = parts["update_weights"]
         largest = max(m.shape.vocab * m.shape.hidden for m in models)  # an embedding
