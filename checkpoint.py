@@ -52,17 +52,20 @@ def latest_checkpoint(root: str) -> str | None:
     return os.path.join(root, f"global_step_{steps[-1]}") if steps else None
 
 
+def free_name(base: str, start: int = 1) -> str:
+    """`base.N` for the first N from `start` that names nothing yet (N = 0: `base` itself), for a
+    file or folder kept beside the one that takes its place."""
+    names = (f"{base}.{i}" if i else base for i in range(start, 10**6))
+    return next(name for name in names if not os.path.exists(name))
+
+
 def set_aside_later(root: str, step: int) -> None:
     """A run resumed from an earlier checkpoint of its folder (--resume_mode PATH) trains another
     branch: the later checkpoints there are the old branch's, which `--resume_mode auto` would take
     for this one's. They are kept as `global_step_N.abandoned`."""
     for later in [s for s in list_checkpoints(root) if s > step]:
         folder = os.path.join(root, f"global_step_{later}")
-        aside = next(
-            f"{folder}.abandoned" + (f".{i}" if i else "")
-            for i in range(10**6)
-            if not os.path.exists(f"{folder}.abandoned" + (f".{i}" if i else ""))
-        )
+        aside = free_name(f"{folder}.abandoned", start=0)
         os.replace(folder, aside)
         print(f"{folder} is a later step of the branch resumed from: kept as {aside}", flush=True)
 
@@ -228,9 +231,9 @@ def keep_earlier(path):
     """A fresh run in a folder that holds an earlier run's `path` (its final policy): kept as
     `path.N` (the first free N), as metrics.jsonl is, not overwritten by this run's."""
     if os.path.exists(path):
-        n = next(i for i in range(1, 10**6) if not os.path.exists(f"{path}.{i}"))
-        os.replace(path, f"{path}.{n}")
-        print(f"{path} held an earlier run's final policy: kept as {path}.{n}", flush=True)
+        kept = free_name(path)
+        os.replace(path, kept)
+        print(f"{path} held an earlier run's final policy: kept as {kept}", flush=True)
 
 
 def export_hf(

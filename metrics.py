@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 import sharding
+from checkpoint import free_name
 from flags import need
 
 IMPORTED = time.time()
@@ -144,9 +145,9 @@ def repair_metrics(path, step, last_row=None):
         rows = []
     elif step == 0:
         if os.path.getsize(path):
-            n = next(i for i in range(1, 10**6) if not os.path.exists(f"{path}.{i}"))
-            os.replace(path, f"{path}.{n}")
-            print(f"{path} held an earlier run's metrics: kept as {path}.{n}", flush=True)
+            kept = free_name(path)
+            os.replace(path, kept)
+            print(f"{path} held an earlier run's metrics: kept as {kept}", flush=True)
         return
     else:
         with open(path) as f:
