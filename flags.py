@@ -374,10 +374,16 @@ def need(ok, msg):
         raise SystemExit(f"{os.path.basename(sys.argv[0])}: {msg}")
 
 
-def file_in_the_way(folder):
-    """The file at `folder` or above it that keeps it from being a folder, or None."""
+def folder_problem(folder):
+    """Why `folder` cannot be made or written to (a file at it or above it, or a folder this user
+    cannot write), or None."""
     here = Path(os.path.abspath(folder))
-    return next((str(p) for p in [here, *here.parents] if p.is_file()), None)
+    existing = next(p for p in [here, *here.parents] if p.exists())
+    if existing.is_file():
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} cannot be written to"
+    return None
 
 
 def check_args(args, world_size):
@@ -385,11 +391,11 @@ def check_args(args, world_size):
     derived defaults. A train script's check_args calls this, then checks its own flags."""
     for name in ("rollout_data_dir", "validation_data_dir"):
         path = getattr(args, name)
-        blocked = path and file_in_the_way(path)
+        problem = path and folder_problem(path)
         need(
-            not blocked,
-            f"--{name} {path}: {blocked} is a file, not a folder; give a folder for the .jsonl "
-            "files, or leave the flag out",
+            not problem,
+            f"--{name} {path}: {problem}; give a folder for the .jsonl files, or leave the "
+            "flag out",
         )
     need(
         args.train_batch_size % world_size == 0,

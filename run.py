@@ -32,7 +32,6 @@ import sys
 import traceback
 from collections import Counter
 from dataclasses import asdict
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -51,7 +50,7 @@ from batches import batch_metrics, round_metrics, validate
 from cli import given_flags, parse
 from data.dataset import load_rl_dataset
 from ending import StopRequest, Unbroken, fail, finished, watch_peers
-from flags import BadInput, file_in_the_way, need
+from flags import BadInput, folder_problem, need
 from metrics import (
     PHASES,
     Logger,
@@ -465,18 +464,11 @@ class Run:
 
 def check_paths(args):
     """Folders and models that cannot serve, named before anything loads."""
-    blocked = file_in_the_way(args.default_local_dir)
+    problem = folder_problem(args.default_local_dir)
     need(
-        blocked is None,
-        f"--default_local_dir {args.default_local_dir}: {blocked} is a file, not a folder; give a "
-        "folder for the checkpoints and metrics",
-    )
-    here = Path(os.path.abspath(args.default_local_dir))
-    existing = next(p for p in [here, *here.parents] if p.exists())
-    need(
-        os.access(existing, os.W_OK | os.X_OK),
-        f"--default_local_dir {args.default_local_dir}: {existing} cannot be written to; give a "
-        "folder this user can write",
+        problem is None,
+        f"--default_local_dir {args.default_local_dir}: {problem}; give a folder for the "
+        "checkpoints and metrics that this user can write",
     )
     model = os.path.expanduser(args.model)
     if os.path.isdir(model):  # a local folder, not a hub id
