@@ -270,11 +270,11 @@ class RewardFunction:
             ready, _, _ = select.select(list(by_fd), [], [], wait)
             for fd in ready:
                 w = by_fd[fd]
-                if w in self.starting:  # its "ready", or its end: then another in its place
-                    if _receive(self.workers[w].stdout) is None:
-                        self._restart(w)
-                    else:
+                if w in self.starting:  # its "ready"; or its end, the error of a sample not sent
+                    if _receive(self.workers[w].stdout) is not None:
                         self.starting.discard(w)
+                    elif todo:  # (a worker that cannot import the file would be restarted forever)
+                        outcomes[todo.pop()] = ("died", self._restart(w))
                     continue
                 i, _ = busy.pop(w)
                 out = _receive(self.workers[w].stdout)
@@ -400,6 +400,9 @@ def _serve(path, name, parent, parent_death_signal):
             _send(outcomes, ("error", f"its result cannot be sent back: {type(e).__name__}: {e}"))
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _number(x):
     """x as a finite float, or None when it is not a number (bool and numpy scalars count: True
     -> 1.0)."""
@@ -409,9 +412,6 @@ def _number(x):
     except OverflowError:  # an int beyond any float
         pass
     return None
-
-
-FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _where(i, source, response):

@@ -475,6 +475,25 @@ def test_a_calls_time_limit_leaves_out_the_workers_import(tmp_path):
         fn.close()
 
 
+def test_a_worker_that_cannot_import_the_file_is_an_error_of_each_sample(tmp_path):
+    """A reward file that imports in the trainer and fails in its workers (here: the second import
+    of all raises): each sample is an error of a worker that ended, and the batch ends."""
+    path = tmp_path / "imports_once.py"
+    path.write_text(
+        "import os\nMARK = __file__ + '.imported'\n"
+        "if os.path.exists(MARK):\n    raise ImportError('only once')\n"
+        "open(MARK, 'w').close()\n" + STALLING
+    )
+    fn = reward.RewardFunction(path, workers=1, timeout=5.0)
+    try:
+        scores, _, n_errors = score_batch(
+            fn, ["a"] * 2, ["7", "7"], ["7", "7"], [None] * 2, reward_errors="zero"
+        )
+        assert scores == [0.0, 0.0] and n_errors == 2
+    finally:
+        fn.close()
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_reward_that_leaves_is_a_reward_error_and_raise_mode_stops_at_the_first(
     stalling, capfd, workers
