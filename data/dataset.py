@@ -143,7 +143,8 @@ def load_rl_dataset(
         f"truncation must be error, left or right, not {truncation!r}"
     )
     dataset = RLDataset()
-    for path in [files] if isinstance(files, (str, Path)) else files:
+    files = [files] if isinstance(files, (str, Path)) else list(files)
+    for path in files:
         path = Path(path).expanduser()
         rows = _read(path, prompt_key)
         if not rows:
@@ -171,7 +172,7 @@ def load_rl_dataset(
                 ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
             dataset.examples.append(Example(list(ids), source, truth, info, i, str(path)))
     if not dataset.examples and not dataset.n_filtered:
-        names = ", ".join(map(str, [files] if isinstance(files, (str, Path)) else files))
+        names = ", ".join(map(str, files))
         raise BadInput(f"{names} holds no rows: give files with prompts in verl's format")
     if not dataset.examples:
         raise BadInput(
