@@ -447,15 +447,10 @@ def check_args(args, world_size):
         "--engines_per_gpu above 1 needs --rollout_engine vllm and --tensor_model_parallel_size 1",
     )
     need(
-        args.resume_mode in ("auto", "disable") or os.path.isdir(args.resume_mode),
-        f"--resume_mode must be auto, disable or an existing global_step_N folder, got "
-        f"{args.resume_mode!r}",
-    )
-    need(
         args.resume_mode in ("auto", "disable")
         or os.path.exists(os.path.join(args.resume_mode, "COMPLETE")),
-        f"--resume_mode {args.resume_mode} is not a checkpoint (a global_step_N folder a run "
-        "wrote whole, with its COMPLETE marker)",
+        f"--resume_mode {args.resume_mode} is not a checkpoint: give auto, disable or a "
+        "global_step_N folder a run wrote whole (with its COMPLETE marker)",
     )
     need(
         args.custom_reward_function_name == "compute_score" or args.custom_reward_function_path,
