@@ -483,6 +483,16 @@ def check_paths(args):
             f"--model {args.model} has no tokenizer files (tokenizer.json, tokenizer_config.json): "
             "save the tokenizer beside the model",
         )
+    config = memory.config_of(args.model)
+    positions = getattr(config, "max_position_embeddings", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    stretched = rope.get("rope_type", "default") != "default"  # YaRN and the like reach further
+    longest = args.max_prompt_length + args.max_response_length
+    need(
+        not positions or longest <= positions or stretched,
+        f"--max_prompt_length + --max_response_length = {longest} tokens, more than --model "
+        f"{args.model} holds ({positions} positions): lower them",
+    )
 
 
 def check_budgets(args, specs):
@@ -562,16 +572,6 @@ def start(args, check_args, declare_models):
         "--nnodes M)",
     )
     check_paths(args)
-    config = memory.config_of(args.model)
-    positions = getattr(config, "max_position_embeddings", None)
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    stretched = rope.get("rope_type", "default") != "default"  # YaRN and the like reach further
-    longest = args.max_prompt_length + args.max_response_length
-    need(
-        not positions or longest <= positions or stretched,
-        f"--max_prompt_length + --max_response_length = {longest} tokens, more than --model "
-        f"{args.model} holds ({positions} positions): lower them",
-    )
     if args.resume_mode == "disable" and checkpoint.list_checkpoints(args.default_local_dir):
         # a fresh run there would interleave its checkpoints with the old ones (and prune its own)
         need(
