@@ -27,6 +27,14 @@ def flag(default, help, *, gt=None, ge=None, lt=None, le=None, also=(), doc=None
     return f
 
 
+def default(name, value):
+    """RunArgs' flag `name` with another default, for a script's Args to re-declare (its help,
+    range and docs kept, not copied)."""
+    f = RunArgs.__dataclass_fields__[name]
+    bounds, also = RANGES[f]
+    return flag(value, f.metadata["help"], **bounds, also=also, doc=DOCS[f])
+
+
 RANGES = {}  # each flag's (bounds, values also allowed), by its dataclass field
 DOCS = {}  # each flag's text in docs/flags.md, by its dataclass field
 

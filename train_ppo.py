@@ -67,9 +67,7 @@ class Args(flags.RunArgs):
     critic_model: str | None = flag(None, "value model's body; default: --model")
     critic_lr: float = flag(1e-5, "critic AdamW learning rate (constant)", gt=0)
     critic_weight_decay: float = flag(0.01, "critic AdamW weight decay", ge=0)
-    critic_warmup: int = flag(
-        0, "the first N steps update only the critic (verl's trainer.critic_warmup=N+1)", ge=0
-    )
+    critic_warmup: int = flag(0, "the first N steps update only the critic (verl's: N+1)", ge=0)
     critic_ppo_micro_batch_size_per_gpu: int = flag(4, "sequences per critic forward", ge=1)
     critic_ppo_max_token_len_per_gpu: int | None = flag(None, "critic's; as the actor's", ge=1)
     critic_grad_clip: float = flag(1.0, "critic's max global gradient norm", gt=0)
@@ -79,15 +77,9 @@ class Args(flags.RunArgs):
     critic_param_offload: bool = flag(False, "critic params, grads and optimizer on CPU")
     critic_optimizer_offload: bool = flag(False, "critic optimizer state on CPU")
     # the quickstart's shape and cadence (flags.RunArgs' defaults are GRPO's)
-    max_response_length: int = flag(512, "tokens generated at most", ge=1)
-    save_freq: int = flag(
-        10,
-        "checkpoint every N steps and the last (-1: none of them); a SIGTERM's stop is always "
-        "checkpointed",
-        ge=1,
-        also=(-1,),
-    )
-    project_name: str = flag("ppo_gsm8k", "for wandb / tensorboard / folders")
+    max_response_length: int = flags.default("max_response_length", 512)
+    save_freq: int = flags.default("save_freq", 10)
+    project_name: str = flags.default("project_name", "ppo_gsm8k")
     warm_compile_caches: bool = flag(False, "off: PPO's step 1 ends before the helper compiles")
 
 
