@@ -557,6 +557,7 @@ def test_limit_signals_the_workers_and_lets_them_finish(tmp_path):
     when a command follows torchrun's: its shell then waits for torchrun, and its command line names
     it (the two commands run side by side). A torchrun whose workers have not started yet gets the
     signal itself."""
+    import socket
     import subprocess
     import time
 
@@ -596,9 +597,17 @@ def test_limit_signals_the_workers_and_lets_them_finish(tmp_path):
             f"saved{i}.1",
         ]
     assert time.monotonic() - start < 50  # ended with the workers, not at the grace period's end
-    # a limit reached before torchrun has started its workers stops torchrun itself, at once
+    # a limit reached before torchrun has started its workers stops torchrun itself, at once: one node
+    # of two waits for the other before it starts any, for ever (a limit of 0 on a loaded machine could
+    # still find the workers started)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     start = time.monotonic()
-    proc = limit(0, 60, command("early"))
+    waiting = command("early").replace(
+        "--master_port 0", f"--nnodes 2 --node_rank 0 --master_addr 127.0.0.1 --master_port {port}"
+    )
+    proc = limit(1, 60, waiting)
     proc.communicate(timeout=120)
     # no worker ran to checkpoint
     assert proc.returncode != 0 and not list(tmp_path.glob("early.*"))
