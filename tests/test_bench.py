@@ -597,9 +597,9 @@ def test_limit_signals_the_workers_and_lets_them_finish(tmp_path):
             f"saved{i}.1",
         ]
     assert time.monotonic() - start < 50  # ended with the workers, not at the grace period's end
-    # a limit reached before torchrun has started its workers stops torchrun itself, at once: one node
-    # of two waits for the other before it starts any, for ever (a limit of 0 on a loaded machine could
-    # still find the workers started)
+    # a limit reached before torchrun has started its workers stops torchrun itself, at once: one
+    # node of two waits for the other before it starts any, for ever (a limit of 0 on a loaded
+    # machine could still find the workers started)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
