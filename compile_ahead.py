@@ -73,7 +73,15 @@ def compile_ahead(loaded, specs, args, device, tokens=None):
             passes.batched_values(loaded[spec.role], samples, micro, packed, T, budget)
         else:
             passes.batched_log_probs(
-                loaded[spec.role], samples, micro, args.temperature, packed, T, budget, spec.trained
+                loaded[spec.role],
+                samples,
+                micro,
+                args.temperature,
+                packed,
+                T,
+                budget,
+                spec.trained,
+                args.use_fused_kernels,
             )
     for spec in (s for s in specs if s.trained):
         model = loaded[spec.role]

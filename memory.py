@@ -13,7 +13,8 @@ phase's peak is what stays resident plus what that phase adds:
   update_weights  of the GPU (validation generates with it too; the push streams one tensor at once)
   <pass>          a model's pass without gradients (old_log_prob, ref, values): resident + one
                   micro-batch's logits over the vocabulary, in bf16, for its response tokens (the
-                  head sees nothing else), and an MLP's transient activations
+                  head sees nothing else; --use_fused_kernels: one chunk), and an MLP's transient
+                  activations
   update_<role>   resident + fp32 gradients + every layer's activations for the backward (or, with
                   gradient checkpointing, each layer's input and one layer's activations) + the
                   logits and their gradient (two bf16 copies; --use_fused_kernels: one chunk)
@@ -339,8 +340,12 @@ def plan(
 
     def no_grad_pass(m, budget):
         tokens = full(budget, batch_seqs)
-        logits = 0 if m.value else tokens * share * 2 * m.shape.vocab
-        logits *= 1 if compiled_log_probs else 5  # eager: fp32 copies and log-softmax
+        if m.value:
+            logits = 0
+        elif fused_kernels:  # a chunk of logits, its fp32 copy and their exponential
+            logits = CHUNK
+        else:  # eager: fp32 copies and log-softmax too
+            logits = tokens * share * 2 * m.shape.vocab * (1 if compiled_log_probs else 5)
         # an MLP's product while it runs (eager: an fp32 copy too)
         return resident | {"logits": logits, "activations": tokens * 4 * m.shape.intermediate}
 

@@ -358,6 +358,7 @@ class ChunkedLogProbs(torch.autograd.Function):
             log_probs[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
             # H = lse - sum_v p_v z_v; in place, so a chunk costs two (c, V) tensors at a time
             entropy[rows] = lse[rows] - (z - lse[rows, None]).exp_().mul_(z).sum(-1)
+            del z  # before the next chunk's
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.set_materialize_grads(False)  # an output no loss uses (the entropy metric) gets None

@@ -66,9 +66,10 @@ def response_targets(samples, T, device):
 
 def forward_log_probs(model, samples, temperature, packed, with_entropy=False, fused=False):
     """log pi(y_t | x, y_<t) of each response token, (b, T), and the entropy (b, T) if asked (else
-    None), with a gradient where one is recorded. `fused` (--use_fused_kernels), where a gradient is
-    recorded: both from the output layer chunk by chunk (fused_log_probs), never the whole
-    (K, V) logits."""
+    None), with a gradient where one is recorded. `fused` (--use_fused_kernels): both from the
+    output layer chunk by chunk (fused_log_probs), never the whole (K, V) logits, in the passes
+    without a gradient too (their logits are a pass's largest tensor: 7.5 GiB at a 26k-token
+    micro-batch and a 152k vocabulary)."""
     device = compute_device(model)  # not the parameters' under --param_offload
     batch = collate(samples, packed, device)
     rows, cols, b, T = batch.pop("unpack")
@@ -76,7 +77,7 @@ def forward_log_probs(model, samples, temperature, packed, with_entropy=False, f
     # one row per response token, (K, ...): packed rows already are; padded ones drop the last
     # position (position t predicts token t+1) and the padding
     select = (lambda x: x[0]) if packed else (lambda x: x[:, :-1][rows, cols])  # noqa: E731
-    if fused and torch.is_grad_enabled():
+    if fused:
         with ops.fused_log_probs(model, select, targets, temperature) as head:
             model(**batch, use_cache=False)
         flat, flat_entropy = head["log_probs"], head["entropy"]
@@ -140,13 +141,13 @@ def batched(forward, samples, micro, T, max_tokens=None):
 
 
 def batched_log_probs(
-    model, samples, micro, temperature, packed, T, max_tokens=None, with_entropy=False
+    model, samples, micro, temperature, packed, T, max_tokens=None, with_entropy=False, fused=False
 ):
     """Log-probs (N, T) of a rank's sequences, in micro-batches, and their entropy (N, T) if asked
-    (else None), from the same read of the logits."""
+    (else None), from the same read of the logits (`fused`: of the output layer chunk by chunk)."""
 
     def forward(s):
-        log_probs, entropy = forward_log_probs(model, s, temperature, packed, with_entropy)
+        log_probs, entropy = forward_log_probs(model, s, temperature, packed, with_entropy, fused)
         return (log_probs, entropy) if with_entropy else (log_probs,)
 
     outs = batched(forward, samples, micro, T, max_tokens)
@@ -155,11 +156,20 @@ def batched_log_probs(
 
 def log_prob_pass(model, samples, T, args, with_entropy=False):
     """`batched_log_probs` with the flags' micro-batches (--log_prob_micro_batch_size_per_gpu, or
-    --log_prob_max_token_len_per_gpu tokens with --use_dynamic_bsz), temperature and packing."""
+    --log_prob_max_token_len_per_gpu tokens with --use_dynamic_bsz), temperature, packing and
+    output layer (--use_fused_kernels)."""
     budget = args.log_prob_max_token_len_per_gpu if args.use_dynamic_bsz else None
     micro, packed = args.log_prob_micro_batch_size_per_gpu, args.use_remove_padding
     return batched_log_probs(
-        model, samples, micro, args.temperature, packed, T, budget, with_entropy
+        model,
+        samples,
+        micro,
+        args.temperature,
+        packed,
+        T,
+        budget,
+        with_entropy,
+        args.use_fused_kernels,
     )
 
 

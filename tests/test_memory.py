@@ -163,6 +163,25 @@ def test_the_qwen25_plan_against_the_h200s_peaks():
     assert default.engine_share == 0.6
 
 
+def test_the_chunked_output_layer_leaves_a_pass_without_gradients_one_chunk_of_logits():
+    """--use_fused_kernels in the passes without gradients too: a chunk of logits where the whole
+    micro-batch's were (its response tokens' bf16 logits: 26,624 of them in a 37,888-token
+    micro-batch of 104-token prompts and 1,024-token responses, 7.5 GiB at 151,936 wide)."""
+    shape = memory.Shape.of(QWEN25_05B)
+    kw = dict(prompt_len=104, response_len=1024, batch_seqs=1280, mini_batch_seqs=320)
+    budgets = {"update": 16384, "log_prob": 37888}
+    whole, chunked = (
+        memory.plan(policy(shape), 24 * GiB, **kw, budgets=budgets, fused_kernels=fused)
+        for fused in (False, True)
+    )
+    for phase in ("old_log_prob", "ref"):
+        assert whole.parts[phase]["logits"] == 37888 * 1024 / 1128 * 2 * 151936
+        assert chunked.parts[phase]["logits"] == memory.CHUNK
+        saved = whole.phases[phase][0] - chunked.phases[phase][0]
+        assert saved == pytest.approx(whole.parts[phase]["logits"] - memory.CHUNK)
+    assert round(whole.parts["old_log_prob"]["logits"] / GiB, 1) == 9.7
+
+
 def test_qwen3_fits_an_80gb_gpu_not_a_24gb_one_unless_the_switches_are_on():
     shape = memory.Shape.of(QWEN3_17B)
     kw = dict(prompt_len=512, response_len=1024, batch_seqs=3072, mini_batch_seqs=240)

@@ -332,10 +332,11 @@ def test_chunked_log_probs_keep_no_logits_for_the_backward():
 
 
 @pytest.mark.parametrize("packed", [True, False])
-def test_fused_log_probs_equal_the_logits_path(model, packed):
-    """forward_log_probs(fused=True), as the update runs it (--use_fused_kernels): the same
-    log-probs, entropy and parameter gradients as through the model's logits; without a gradient it
-    is the logits path; the output layer is the model's own again afterwards."""
+def test_fused_log_probs_equal_the_logits_path(model, packed, monkeypatch):
+    """forward_log_probs(fused=True), as every pass runs it with --use_fused_kernels: the same
+    log-probs, entropy and parameter gradients as through the model's logits; without a gradient
+    too, still chunk by chunk (a log-prob pass's full logits were the largest tensor of a run on
+    24 GiB); the output layer is the model's own again afterwards."""
     samples = make_samples(LENGTHS)
 
     def grads(fused, with_entropy):
@@ -352,13 +353,42 @@ def test_fused_log_probs_equal_the_logits_path(model, packed):
     for with_entropy in (True, False):
         for a, e in zip(grads(True, with_entropy), grads(False, with_entropy)):
             close(a, e, atol=1e-5)
+    chunked = []
+    apply = ops.ChunkedLogProbs.apply
+    monkeypatch.setattr(ops.ChunkedLogProbs, "apply", lambda *a: chunked.append(1) or apply(*a))
     with torch.no_grad():
         a = forward_log_probs(model, samples, 0.7, packed, True, fused=True)
         e = forward_log_probs(model, samples, 0.7, packed, True)
-    assert all(torch.equal(x, y) for x, y in zip(a, e))
+    assert chunked == [1]
+    for x, y in zip(a, e):
+        close(x, y, atol=1e-5)
     assert "forward" not in model.get_output_embeddings().__dict__
     logits = model(input_ids=torch.tensor([[1, 2, 3]])).logits
     assert logits.shape[-1] == model.config.vocab_size
+
+
+def test_the_log_prob_pass_takes_the_output_layer_the_flags_name(model, monkeypatch):
+    """log_prob_pass (phase 3's old and reference log-probs) runs the output layer chunk by chunk
+    under --use_fused_kernels, one chunked call per micro-batch, and gives what the logits give."""
+    samples = make_samples(LENGTHS)
+    T = max(len(r) for _, r in samples)
+    chunked = []
+    apply = ops.ChunkedLogProbs.apply
+    monkeypatch.setattr(ops.ChunkedLogProbs, "apply", lambda *a: chunked.append(1) or apply(*a))
+    out = {}
+    for fused in (True, False):
+        args = SimpleNamespace(
+            use_dynamic_bsz=False,
+            log_prob_max_token_len_per_gpu=None,
+            log_prob_micro_batch_size_per_gpu=2,
+            use_remove_padding=True,
+            temperature=0.7,
+            use_fused_kernels=fused,
+        )
+        out[fused] = passes.log_prob_pass(model, samples, T, args, with_entropy=True)
+    assert len(chunked) == -(-len(samples) // 2)
+    for x, y in zip(out[True], out[False]):
+        close(x, y, atol=1e-5)
 
 
 @pytest.mark.parametrize(
