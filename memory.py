@@ -57,7 +57,10 @@ UPDATE_CAP = 49152
 LOG_PROB_CAP = 65536
 ENGINE_SHARE = 0.6  # the engine's share of the GPU when the trainer leaves room for it
 MARGIN = 0.92  # the share of the GPU a plan fills with torch's allocations (its cache, fragments)
-OVERHEAD = 1.0 * GiB  # CUDA context, NCCL buffers, workspace
+# the GPU memory of a trainer's process outside torch's allocator: the CUDA context, NCCL's buffers,
+# libraries' workspaces, the in-process engine's own. Measured on an H200 (2026-12-05, the card's
+# GRPO command at --gpu_memory_gib 24): 21.87 GiB in use by the process against 18.32 of torch's
+OVERHEAD = 3.5 * GiB
 # the smallest budget a plan settles for before it turns switches on: below it an update waits on
 # the CPU (Python, autograd, kernel launches: at 12k tokens on an H200, docs/benchmarks.md)
 BUDGET_FLOOR = 16384
@@ -663,7 +666,10 @@ def fence(args, device):
     sleep mode releases the memory of its weights and KV cache but keeps their tensors, and torch's
     allocator goes on counting them (the engine's `unbacked_bytes`). A cap fixed at G would leave
     the update G less the engine's whole pool; raised by those bytes, it leaves the update what a
-    GPU of G GiB would."""
+    GPU of G GiB would. Each call also leaves out what else holds the GPU then, as measured: this
+    process's memory outside torch's allocator (the CUDA context, NCCL's buffers, libraries'
+    workspaces: 3.5 GiB beside the in-process engine on an H200) and other processes' (the
+    compiling helper), so the whole run stays within G, as NVML counts it."""
     import torch
 
     from flags import need
@@ -677,7 +683,13 @@ def fence(args, device):
     )
 
     def allow(unbacked=0):
-        torch.cuda.set_per_process_memory_fraction(min(1.0, (cap + unbacked) / total), device)
+        free, _ = torch.cuda.mem_get_info(device)
+        # the GPU's memory in use less what torch's allocator holds of it (its count less the
+        # sleeping engine's released pool)
+        others = max(0, total - free - (torch.cuda.memory_reserved(device) - unbacked))
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, max(0, cap - others + unbacked) / total), device
+        )
 
     allow()
     return allow

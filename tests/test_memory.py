@@ -217,11 +217,14 @@ def test_where_the_defaults_do_not_fit_the_planner_turns_on_switches_until_they_
     tmp_path, monkeypatch
 ):
     """Qwen3-1.7B at the tutorial's shape. On 40 GiB the defaults do not fit (the update, at 1,024
-    tokens, needs 36.6 GiB of 35.8): the planner turns switches on, the cheapest first, until the
+    tokens, needs 36.6 GiB of 33.3): the planner turns switches on, the cheapest first, until the
     update's micro-batches fit and hold BUDGET_FLOOR tokens, then off again those it does without:
-    the reference offloaded and the activations recomputed stay. On 24 GiB it needs all four. Each
-    is named with why. A switch given on the command line is never turned on; with nothing left to
-    turn on, the plan says what else would do: the flags, and a GPU size or count."""
+    the chunked output layer, the reference offloaded and the activations recomputed stay. On 24
+    GiB the AdamW state goes to the CPU too, and the update still takes 8,192-token micro-batches,
+    below the floor, which the plan says (the chunked output layer is turned off again: it does not
+    help there). Each is named with why. A switch given on the command line is never turned on;
+    with nothing left to turn on, the plan says what else would do: the flags, and a GPU size or
+    count."""
     import torch
 
     cpu = torch.device("cpu")
@@ -229,19 +232,21 @@ def test_where_the_defaults_do_not_fit_the_planner_turns_on_switches_until_they_
     p = memory.plan_memory(args, specs, 1, cpu, 512, cli.given_flags())
     assert p.good, p.table()
     assert args.ref_param_offload and args.enable_gradient_checkpointing
-    assert not args.use_fused_kernels and not args.optimizer_offload
+    assert args.use_fused_kernels and not args.optimizer_offload
     assert args.ppo_max_token_len_per_gpu >= memory.BUDGET_FLOOR
     assert p.notes == [
+        "turned on --use_fused_kernels (the output layer chunk by chunk: no full logits)",
         "turned on --ref_param_offload (the ref model's weights on the CPU)",
         "turned on --enable_gradient_checkpointing (the actor's activations recomputed): with the "
-        "defaults, update_actor needs 36.6 GiB of 35.8",
+        "defaults, update_actor needs 36.6 GiB of 33.3",
     ]
     args, specs = qwen3_args(tmp_path, monkeypatch, gpu_memory_gib=24.0)
     p = memory.plan_memory(args, specs, 1, cpu, 512, cli.given_flags())
-    assert p.good, p.table()
-    switches = ("use_fused_kernels", "ref_param_offload", "optimizer_offload")
-    assert all(getattr(args, name) for name in switches) and args.enable_gradient_checkpointing
-    assert "update_actor needs 36.6 GiB of 21.1" in p.notes[-1]
+    assert p.fits and p.small == ["ppo_max_token_len_per_gpu"], p.table()
+    assert args.ppo_max_token_len_per_gpu == 8192
+    switches = ("ref_param_offload", "optimizer_offload", "enable_gradient_checkpointing")
+    assert all(getattr(args, name) for name in switches) and not args.use_fused_kernels
+    assert "update_actor needs 36.6 GiB of 18.6" in p.notes[-1]
     assert "turned on --optimizer_offload (the actor's AdamW state on the CPU)" in (
         memory.plan_message(p, args, specs)
     )
@@ -255,7 +260,7 @@ def test_where_the_defaults_do_not_fit_the_planner_turns_on_switches_until_they_
     assert "to fit, try: --optimizer_offload (the actor's AdamW state on the CPU); " in message
     assert "--enable_gradient_checkpointing (the actor's activations recomputed)" in message
     assert "--param_offload (the actor's weights on the CPU)" in message
-    assert "with the flags given, a GPU of 40 GiB or 2 GPUs of 24 GiB" in message
+    assert "with the flags given, a GPU of 40 GiB or 4 GPUs of 24 GiB" in message
 
 
 def test_a_fork_with_another_model_gets_it_planned(tmp_path, monkeypatch):
@@ -366,25 +371,32 @@ def test_print_plan_offline_by_hub_name_for_gpus_not_launched_and_its_exit_statu
 
 def test_a_smaller_gpu_on_a_larger_one_caps_the_trainer_and_the_engines_share(monkeypatch):
     """--gpu_memory_gib 24 on an H200 (139.8 GiB as torch reports it): torch's allocations capped
-    at 24/139.8 of the GPU, and the engine's --gpu_memory_utilization taken of the 24 GiB (0.55 of
-    it: 13.2 GiB, 0.0944 of the H200)."""
+    at 24/139.8 of the GPU less what else holds it (1.5 GiB outside torch's allocator at first, 3.5
+    later), and the engine's --gpu_memory_utilization taken of the 24 GiB (0.55 of it: 13.2 GiB,
+    0.0944 of the H200)."""
     import torch
 
     import run
 
     fractions = []
     total = int(139.8 * GiB)
+    gpu = {"used": 1.5 * GiB, "reserved": 0}  # the GPU's memory in use; torch's count of it
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=total)
     )
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (total - gpu["used"], total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: gpu["reserved"])
     monkeypatch.setattr(
         torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: fractions.append(f)
     )
     args = SimpleNamespace(gpu_memory_gib=24.0, gpu_memory_utilization=0.55)
     allow = memory.fence(args, "cuda:0")
-    assert fractions == [pytest.approx(24 / 139.8)]
-    allow(10 * GiB)  # a sleeping engine's pool, which torch goes on counting, left out
-    assert fractions[-1] == pytest.approx(34 / 139.8)
+    assert fractions == [pytest.approx(22.5 / 139.8)]
+    # torch holds 15 GiB, 10 of them a sleeping engine's pool, released but counted: left out
+    gpu.update(used=8.5 * GiB, reserved=15 * GiB)
+    allow(10 * GiB)
+    assert fractions[-1] == pytest.approx((24 - 3.5 + 10) / 139.8)
+    gpu.update(reserved=205 * GiB)
     allow(200 * GiB)
     assert fractions[-1] == 1.0
     share = memory.engine_utilization(args, total)
@@ -445,6 +457,13 @@ def test_the_cap_follows_the_engines_sleep(monkeypatch):
         torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: fractions.append(f)
     )
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    # torch counts the pool (10 GiB) asleep or awake; nothing else holds the GPU
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 10 * GiB)
+    monkeypatch.setattr(
+        torch.cuda,
+        "mem_get_info",
+        lambda d=None: (total - 10 * GiB + engine.unbacked_bytes(), total),
+    )
     pool = {
         1: SimpleNamespace(tag="weights", handle=(0, 1 * GiB)),
         2: SimpleNamespace(tag="kv_cache", handle=(0, 9 * GiB)),
@@ -472,6 +491,7 @@ def test_the_cap_follows_the_engines_sleep(monkeypatch):
 
     engine = object.__new__(rollout.VLLMEngine)  # its vLLM replaced by the stand-in above
     engine.on_gpu, engine.llm, engine.expected = True, LLM(), {"w"}
+    engine.sleeping = False
     engine.fence = memory.fence(SimpleNamespace(gpu_memory_gib=24.0), "cuda:0")
     engine._woken(None)
     assert engine.unbacked_bytes() == 0 and fractions[-1] * 139.8 == pytest.approx(24)
@@ -563,7 +583,7 @@ def test_the_eager_first_step_plans_eager_budgets_and_gives_the_compiled_ones_ba
     """--warm_compile_caches on an H200 at verl's GRPO tutorial shape: the first step runs eager at
     the budgets of a plan for eager passes beside the helper's memory (18.2 GiB, worked below),
     made before the models load, with the update's output layer chunk by chunk
-    (--use_fused_kernels; without it the eager plan's update would take 32,768 tokens against the
+    (--use_fused_kernels; without it the eager plan's update would take 31,744 tokens against the
     compiled plan's 49,152) and each
     phase starting with torch's cached memory given back; checkpoints and loggers get the flags as
     given meanwhile. After it the compiled plan, budgets and output layer are back, the compiler's
@@ -619,7 +639,7 @@ def test_the_eager_first_step_plans_eager_budgets_and_gives_the_compiled_ones_ba
         for fused in (False, True)
     }
     assert eager[False].budgets == {
-        "ppo_max_token_len_per_gpu": 32768,
+        "ppo_max_token_len_per_gpu": 31744,
         "log_prob_max_token_len_per_gpu": 65536,
     }
     assert eager[True].budgets == budgets

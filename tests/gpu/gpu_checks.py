@@ -238,11 +238,13 @@ def main(model_path, out_path):
     push()
     res["sync_from_sleep_same_output"] = greedy() == before
 
-    # --gpu_memory_gib's cap 2 GiB above what torch holds with the engine awake: 3 GiB more do not
-    # fit awake, and do asleep, where the cap leaves out the released pool torch goes on counting
+    # --gpu_memory_gib's cap 2 GiB above what the GPU holds with the engine awake: 3 GiB more do
+    # not fit awake, and do asleep, where the cap leaves out the released pool torch goes on
+    # counting
     if GPU:
         torch.cuda.empty_cache()
-        cap = (torch.cuda.memory_reserved() + 2 * 2**30) / 2**30
+        free, total = torch.cuda.mem_get_info(device)
+        cap = (total - free + 2 * 2**30) / 2**30
         engine.fence = memory.fence(SimpleNamespace(gpu_memory_gib=cap), device)
         res["fenced_3gib_fit_awake"] = fits(3, device)
         engine.sleep()
