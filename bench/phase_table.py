@@ -49,6 +49,9 @@ def speed_of_light(row, plain_tok_s):
 
 def main(path, plain_tok_s=None):
     rows = [r for r in map(json.loads, open(path)) if "timing_s/step" in r]
+    if not rows:
+        print(f"{path}: no step ended")
+        return
     phases = [p for p in PHASES if any(f"timing_s/{p}" in r for r in rows)]
     mfus = [m for m in MFU if any(f"perf/mfu/{m}" in r for r in rows)]
     print(

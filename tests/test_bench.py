@@ -115,6 +115,10 @@ def test_table_and_summary(tmp_path, capsys):
     # / 2
     assert "median peak GiB per phase: gen 92.0, update_actor 41.0" in out
     assert "step 1 ended 95 s after launch (17 s of it in the step)" in out
+    # a run that ended before its first step (out of memory in it) has no table, and says so
+    path.write_text(json.dumps(rows[0]) + "\n")
+    phase_table.main(str(path))
+    assert capsys.readouterr().out == f"{path}: no step ended\n"
 
 
 def test_ab_table_by_hand(tmp_path, capsys):
