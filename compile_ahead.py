@@ -281,7 +281,7 @@ class WarmStart:
             # (K, V) fp32 logits of unequal micro-batches split torch's cached segments until one
             # no longer fits (an H200 ran out of memory so at 36,864-token micro-batches)
             args.use_fused_kernels = True
-        Timer.release_cache = run.device.type == "cuda"
+        self.release_cache, Timer.release_cache = Timer.release_cache, run.device.type == "cuda"
         if run.plan is not None and run.plan.first is not None:
             # planned before the models loaded (memory.plan_memory): eager passes beside the helper
             for name in names:
@@ -314,7 +314,7 @@ class WarmStart:
         for name, budget in self.compiled_budgets.items():
             setattr(args, name, budget)
         run.plan, args.use_fused_kernels = self.compiled_plan, self.compiled_fused
-        Timer.release_cache = False
+        Timer.release_cache = self.release_cache
         started = seconds_since_launch()
         config = memory.config_of(run.specs[0].path)
         tokens = small_batch_tokens(args, config, run.specs)

@@ -252,6 +252,8 @@ class Plan:
     first: "Plan | None" = None
     helper: int = 0
     small: list = field(default_factory=list)  # budgets it chose below BUDGET_FLOOR
+    # memory, not speed, set a budget or the engine's share: below its cap (`release_cache`)
+    bound: bool = False
     notes: list = field(default_factory=list)  # what the planner chose beyond budgets, and why
     advice: list = field(default_factory=list)  # what would make it fit, where it does not
 
@@ -386,13 +388,16 @@ def plan(
             if chosen[key] < min(budget_floor, seqs * longest):
                 small.append(key)
 
+    squeezed = False  # the engine's share, chosen here, below ENGINE_SHARE
     if engine_share is None:
         engine_share = max(0.0, min(ENGINE_SHARE, (usable - held) / gpu_bytes))
+        squeezed = engine_share < ENGINE_SHARE
     engine = engine_share * gpu_bytes
     result = Plan(
         gpu_bytes, usable, world, budgets=chosen, engine_share=engine_share, helper=helper
     )
     result.small = small
+    result.bound = squeezed or any(chosen[k] < caps[k] for k in uses if k not in (budgets or {}))
     awake = resident | {"engine": engine}
     engine_note = f"engine {math.floor(engine_share * 100) / 100:.2f}"  # as the flag gets it
     parts = {"gen": (awake, engine_note)}

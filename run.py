@@ -635,6 +635,10 @@ def start(args, check_args, declare_models):
         need(run.plan.fits, message)
         if rank == 0:
             print(message, flush=True)
+        # where memory set the budgets, each phase starts with torch's cached memory given back:
+        # one phase's large blocks split by the next one's tensors held 8 GiB that no allocation
+        # could use on an H200 run as a 24 GiB GPU
+        Timer.release_cache = device.type == "cuda" and run.plan.bound
     steps_per_epoch = len(run.train) // args.train_batch_size if run.train else 0
     run.total_steps = args.total_training_steps or steps_per_epoch * args.total_epochs
     if compile_ahead.warms(args, device) and not args.val_only:

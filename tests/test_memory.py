@@ -160,7 +160,30 @@ def test_the_qwen25_plan_against_the_h200s_peaks():
         policy(shape), H200, prompt_len=105, response_len=1024, batch_seqs=1280, mini_batch_seqs=320
     )
     assert default.fits and default.budgets == {"update": 49152, "log_prob": 65536}
-    assert default.engine_share == 0.6
+    assert default.engine_share == 0.6 and not default.bound
+    # memory, not speed, sets them on 80 GiB (the update's budget) and 24 (the engine's share too):
+    # there each phase starts with torch's cache given back (metrics.Timer.release_cache)
+    for gib, update, share in ((80, 38912, 0.6), (24, 3072, 0.34)):
+        p = memory.plan(
+            policy(shape),
+            gib * GiB,
+            prompt_len=105,
+            response_len=1024,
+            batch_seqs=1280,
+            mini_batch_seqs=320,
+        )
+        assert p.bound and p.budgets["update"] == update and round(p.engine_share, 2) == share
+    # budgets given on the command line are not the planner's: at the caps or below, not bound
+    given = memory.plan(
+        policy(shape),
+        H200,
+        prompt_len=105,
+        response_len=1024,
+        batch_seqs=1280,
+        mini_batch_seqs=320,
+        budgets={"update": 8192, "log_prob": 8192},
+    )
+    assert not given.bound
 
 
 def test_the_chunked_output_layer_leaves_a_pass_without_gradients_one_chunk_of_logits():
