@@ -264,12 +264,12 @@ class RunArgs:
     )
     use_fused_kernels: bool = flag(
         False,
-        "the update's log-probs and entropy from the output layer chunk by chunk, never the "
+        "every pass's log-probs and entropy from the output layer chunk by chunk, never the "
         "whole logits: less memory",
         doc=(
-            "the update's log-probs and entropy from the output layer chunk by chunk, never the "
-            "whole (tokens, vocabulary) logits: less memory for one more matmul of the output "
-            "layer (verl's flag; here for the passes with a gradient only)"
+            "every pass's log-probs and entropy (the old and reference passes and the update) from "
+            "the output layer chunk by chunk, never the whole (tokens, vocabulary) logits: less "
+            "memory for one more matmul of the output layer in the update (verl's flag)"
         ),
     )
     compile_update: bool | None = flag(

@@ -25,6 +25,7 @@ def sync(device):
 
 
 PHASES = []  # the main thread's phases in progress, outermost first: what a stuck run is doing
+OUT_OF_MEMORY_IN = []  # the phases the GPU ran out of memory in, outermost first
 
 
 class Timer:
@@ -59,6 +60,10 @@ class Timer:
         t0 = time.perf_counter()
         try:
             yield
+        except torch.OutOfMemoryError:
+            if main and not OUT_OF_MEMORY_IN:  # the innermost phase it left
+                OUT_OF_MEMORY_IN.extend(PHASES)
+            raise
         finally:
             PHASES.pop() if main else None
         sync(self.device)

@@ -52,6 +52,7 @@ from data.dataset import load_rl_dataset
 from ending import StopRequest, Unbroken, fail, finished, watch_peers
 from flags import BadInput, folder_problem, need
 from metrics import (
+    OUT_OF_MEMORY_IN,
     PHASES,
     Logger,
     Timer,
@@ -662,6 +663,21 @@ def plan_memory(run, world, prompt_len):
     return memory.plan_memory(args, specs, world, run.device, prompt_len, run.given, helper)
 
 
+def out_of_memory_note():
+    """What to do when the GPU ran out of memory, and in which phase (torch's error follows)."""
+    where = " > ".join(OUT_OF_MEMORY_IN) or "start-up or between two phases"
+    return (
+        f"{os.path.basename(sys.argv[0])}: out of GPU memory in {where}. The plan printed at "
+        "start-up gave each phase its share (--print_plan shows it; metrics.jsonl has "
+        "perf/planned_memory_gb/<phase> beside the measured perf/max_memory_allocated_gb/<phase>). "
+        "Where other processes hold part of this GPU, give the run what is left with "
+        "--gpu_memory_gib; else lower --ppo_max_token_len_per_gpu or "
+        "--log_prob_max_token_len_per_gpu, or turn on --use_fused_kernels, "
+        "--enable_gradient_checkpointing, --ref_param_offload or --optimizer_offload (README, "
+        "Troubleshooting)."
+    )
+
+
 def launch(main, Args):
     """The command line: parse the flags into the script's Args, run `main`, end the process."""
     sys.stdout, sys.stderr = Unbroken(sys.stdout), Unbroken(sys.stderr)
@@ -671,6 +687,8 @@ def launch(main, Args):
     except BaseException as error:
         if isinstance(error, BadInput):  # its message names the input and what to do
             error = SystemExit(f"{os.path.basename(sys.argv[0])}: {error}")
+        if isinstance(error, torch.OutOfMemoryError):
+            print(out_of_memory_note(), file=sys.stderr, flush=True)
         clean = isinstance(error, SystemExit) and error.code in (0, None)
         if clean and not finished.is_set():
             # sys.exit() from somewhere the run did not mean to end (user code, a library): not

@@ -7,6 +7,7 @@ background loggers.
 import dataclasses
 import json
 import os
+import sys
 import typing
 from types import SimpleNamespace
 
@@ -372,3 +373,33 @@ def test_the_command_line_parses_every_flag(script):
     """The flags as torchrun passes them: every field a flag of its own, with its default."""
     (args,) = HfArgumentParser(script.Args).parse_args_into_dataclasses(["--grad_clip", "0.5"])
     assert args.grad_clip == 0.5 and args == script.Args(grad_clip=0.5)
+
+
+def test_out_of_memory_names_its_phase_and_what_to_do(monkeypatch, capsys):
+    """The GPU out of memory inside a phase (here the old log-prob pass, within the step): the
+    run's end names the phase, where the plan and the peaks are, and what to change; torch's error
+    follows as it was."""
+    import metrics
+
+    monkeypatch.setattr(run, "parse", lambda Args: None)
+    monkeypatch.setattr(sys, "argv", ["train_grpo.py"])
+    monkeypatch.setattr(sys, "stdout", sys.stdout)  # launch wraps them; put back afterwards
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+    monkeypatch.setattr(metrics, "OUT_OF_MEMORY_IN", [])
+    monkeypatch.setattr(run, "OUT_OF_MEMORY_IN", metrics.OUT_OF_MEMORY_IN)
+    cpu = torch.device("cpu")
+
+    def main(args):
+        timer = metrics.Timer({}, cpu)
+        with timer("step"):
+            with timer("gen"):
+                pass
+            with timer("old_log_prob"):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.53 GiB.")
+
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 7.53 GiB"):
+        run.launch(main, None)
+    err = capsys.readouterr().err
+    assert err.startswith("train_grpo.py: out of GPU memory in step > old_log_prob. ")
+    assert "--gpu_memory_gib" in err and "--log_prob_max_token_len_per_gpu" in err
+    assert metrics.PHASES == []
