@@ -41,7 +41,9 @@
 #   bash bench/gpu_all.sh qwen3     # 1 GRPO step of the Qwen3-1.7B tutorial shape on a random-init Qwen3-1.7B
 #   bash bench/gpu_all.sh plan_qwen3  # the same with the memory planner's budgets, + the plan against the peaks
 #   bash bench/gpu_all.sh fused     # --use_fused_kernels: the output layer alone, bf16, at Qwen2.5-0.5B's and
-#                                   # Qwen3-1.7B's width (bench/fused_head.py); the update's peak memory and speed
+#                                   # Qwen3-1.7B's width, with and without gradients (the response tokens of
+#                                   # 37,888- and 65,536-token log-prob micro-batches; bench/fused_head.py);
+#                                   # the update's peak memory and speed
 #                                   # on the random Qwen3-1.7B with gradient checkpointing, with and without it
 #   NPROC=2 bash bench/gpu_all.sh scale  # 3 GRPO steps on 1 and NPROC GPUs (TP 1, TP 2), 3 PPO steps on NPROC,
 #                                        # and the scaling table (bench/scaling_table.py); the same in parts
@@ -180,6 +182,7 @@ for part in "${parts[@]}"; do
                  --default_local_dir $RUNS/plan_qwen3 && cp $RUNS/plan_qwen3/metrics.jsonl $OUT/plan_qwen3.jsonl && \
                  $PY bench/phase_table.py $OUT/plan_qwen3.jsonl $plain && $PY bench/plan_table.py $OUT/plan_qwen3.jsonl" ;;
     fused)  cmd="$PY bench/fused_head.py --dtype bfloat16 --tokens 12288 49152 && \
+                 $PY bench/fused_head.py --dtype bfloat16 --no_grad --tokens 26624 59392 && \
                  $PY bench/fused_head.py --dtype bfloat16 --hidden 2048 --tokens 12288 49152 && \
                  $make_qwen3 && $PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py \
                  --model $qwen3 --gradient_checkpointing --modes all fused --sequences 320 \

@@ -475,9 +475,10 @@ def test_random_model_has_the_shape_and_the_tokenizer(tmp_path, monkeypatch):
     assert not os.path.exists(out + ".tmp")
 
 
-def test_fused_head_bench_runs_both_ways_and_agrees(tmp_path):
+@pytest.mark.parametrize("no_grad", [False, True])
+def test_fused_head_bench_runs_both_ways_and_agrees(tmp_path, no_grad):
     """bench/fused_head.py at a small shape: a row per way with its peak, and the fused gradients
-    equal the logits path's."""
+    (with --no_grad: log-probs and entropy) equal the logits path's."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -491,6 +492,7 @@ def test_fused_head_bench_runs_both_ways_and_agrees(tmp_path):
             "16",
             "--vocab",
             "512",
+            *(["--no_grad"] if no_grad else []),
         ],
         cwd=root,
         capture_output=True,
@@ -501,7 +503,8 @@ def test_fused_head_bench_runs_both_ways_and_agrees(tmp_path):
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("64 ")]
     assert [r[1] for r in rows] == ["logits", "fused"], proc.stdout
     assert all(float(r[2]) > 0 for r in rows)  # peak GB
-    assert float(rows[1][-1]) < 1e-5, proc.stdout  # max |grad diff|, float32
+    assert float(rows[1][-1]) < 1e-5, proc.stdout  # max |(grad) diff|, float32
+    assert ("forward (no gradients)" in proc.stdout) == no_grad
 
 
 SLOW_STOP = """
