@@ -34,8 +34,10 @@ H200's peaks, docs/benchmarks.md). Everything is in bytes; the table prints GiB,
 CUDA context: `usable` leaves room for those).
 
 --gpu_memory_gib G plans for a GPU of G GiB and, on a larger one, makes the run behave as on that
-one (`fence`): torch's allocations in the trainer capped at G (the sleeping engine's released
-memory, which torch goes on counting, left out), the engine's share taken of G.
+one (`fence`): torch's allocations in the trainer capped at G less what else holds the GPU (the
+sleeping engine's released memory, which torch goes on counting, left out), the engine's share
+taken of G. Where memory, not speed, set the budgets (`Plan.bound`), each phase starts with torch's
+cache given back (metrics.Timer.release_cache).
 """
 
 import functools
