@@ -61,7 +61,8 @@ ENGINE_SHARE = 0.6  # the engine's share of the GPU when the trainer leaves room
 MARGIN = 0.92  # the share of the GPU a plan fills with torch's allocations (its cache, fragments)
 # the GPU memory of a trainer's process outside torch's allocator: the CUDA context, NCCL's buffers,
 # libraries' workspaces, the in-process engine's own. Measured on an H200 (2026-12-05, the card's
-# GRPO command at --gpu_memory_gib 24): 21.87 GiB in use by the process against 18.32 of torch's
+# GRPO command at --gpu_memory_gib 24): 21.87 GiB in use by the process, of which torch's allocator
+# held 18.32 (28.96 reserved less the sleeping engine's released 10.64)
 OVERHEAD = 3.5 * GiB
 # the smallest budget a plan settles for before it turns switches on: below it an update waits on
 # the CPU (Python, autograd, kernel launches: at 12k tokens on an H200, docs/benchmarks.md)

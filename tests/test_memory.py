@@ -156,33 +156,17 @@ def test_the_qwen25_plan_against_the_h200s_peaks():
     assert within(ppo.phases["update_critic"][0], 49.17, 49.67)
     assert within(ppo.phases["update_actor"][0], 38.87, 38.96)
     # the defaults the planner picks for the tutorial's shape on an H200: the caps, 0.6
-    default = memory.plan(
-        policy(shape), H200, prompt_len=105, response_len=1024, batch_seqs=1280, mini_batch_seqs=320
-    )
+    tutorial = dict(prompt_len=105, response_len=1024, batch_seqs=1280, mini_batch_seqs=320)
+    default = memory.plan(policy(shape), H200, **tutorial)
     assert default.fits and default.budgets == {"update": 49152, "log_prob": 65536}
     assert default.engine_share == 0.6 and not default.bound
     # memory, not speed, sets them on 80 GiB (the update's budget) and 24 (the engine's share too):
     # there each phase starts with torch's cache given back (metrics.Timer.release_cache)
     for gib, update, share in ((80, 38912, 0.6), (24, 3072, 0.34)):
-        p = memory.plan(
-            policy(shape),
-            gib * GiB,
-            prompt_len=105,
-            response_len=1024,
-            batch_seqs=1280,
-            mini_batch_seqs=320,
-        )
+        p = memory.plan(policy(shape), gib * GiB, **tutorial)
         assert p.bound and p.budgets["update"] == update and round(p.engine_share, 2) == share
     # budgets given on the command line are not the planner's: at the caps or below, not bound
-    given = memory.plan(
-        policy(shape),
-        H200,
-        prompt_len=105,
-        response_len=1024,
-        batch_seqs=1280,
-        mini_batch_seqs=320,
-        budgets={"update": 8192, "log_prob": 8192},
-    )
+    given = memory.plan(policy(shape), H200, **tutorial, budgets={"update": 8192, "log_prob": 8192})
     assert not given.bound
 
 
