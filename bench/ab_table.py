@@ -1,6 +1,8 @@
 """Two runs of the same command side by side (A, then B: another tree or another flag), from their
 metrics.jsonl: the median over the steps after the first of each phase's time, the sync check
 (rollout/logprob_gap_mean, the engine's log-probs against the trainer's) and when step 1 ended.
+A row either run lacks is left out (bench/trl_grpo.py's rows have the step's time and its end
+after launch only).
 
     python bench/ab_table.py A/metrics.jsonl B/metrics.jsonl
 """
@@ -31,7 +33,8 @@ def medians(path):
         for p in PHASES
         if all(f"timing_s/{p}" in r for r in steady)
     }
-    out["logprob_gap_mean"] = statistics.median(r["rollout/logprob_gap_mean"] for r in steady)
+    if all("rollout/logprob_gap_mean" in r for r in steady):
+        out["logprob_gap_mean"] = statistics.median(r["rollout/logprob_gap_mean"] for r in steady)
     out["step 1 ended s"] = rows[0]["timing_s/since_launch"]
     return out, len(steady)
 

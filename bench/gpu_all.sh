@@ -18,6 +18,9 @@
 #                                   # last validated, checkpointed and exported: the plan against the peaks, and
 #                                   # every process's memory by NVML (bench/nvml_peak.py); qwen3_gib_80,
 #                                   # qwen3_gib_40: one step of the random Qwen3-1.7B with what the planner chose
+#   bash bench/gpu_all.sh card trl  # TRL 1.16.0's GRPOTrainer at the same shape, model and data
+#                                   # (bench/trl_grpo.py, 5 steps; TRL's wheels in .whl/trl, docs/gpu.md),
+#                                   # then its steps beside the card part's (bench/ab_table.py: A = TRL)
 #   bash bench/gpu_all.sh plan_grpo plan_ppo  # the same, 3 steps, on a random-init model of Qwen2.5-0.5B's shape
 #                                   # (responses at the length limit, as the planner plans them)
 #   bash bench/gpu_all.sh grpo_compiled  # 5 GRPO steps, update compiled, 49k/64k-token micro-batches
@@ -146,6 +149,10 @@ for part in "${parts[@]}"; do
                  --max_response_length 1024 --default_local_dir $RUNS/$part; r=\$?; kill -INT \$s; wait \$s; \
                  cp $RUNS/$part/metrics.jsonl $OUT/$part.jsonl && $PY bench/phase_table.py $OUT/$part.jsonl \
                  $plain && $PY bench/plan_table.py $OUT/$part.jsonl $OUT/$part.nvml.json; test \$r = 0" ;;
+    trl)    cmd="rm -rf $RUNS/trl; PYTHONPATH=/tmp/trlsite:\${PYTHONPATH:-} $PY bench/trl_grpo.py --model $MODEL \
+                 --train_files $DATA/train.parquet --out $RUNS/trl --steps 5 && cp $RUNS/trl/trl_steps.jsonl \
+                 $OUT/trl.jsonl && if [ -f $OUT/card.jsonl ]; then $PY bench/ab_table.py $OUT/trl.jsonl \
+                 $OUT/card.jsonl; fi" ;;
     card_compile) cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/compile_times.py train_grpo.py \
                  --model $MODEL $data --total_training_steps 3 --default_local_dir $RUNS/$part && cp \
                  $RUNS/$part/metrics.jsonl $OUT/$part.jsonl && $PY bench/phase_table.py $OUT/$part.jsonl $plain" ;;
@@ -216,7 +223,7 @@ for part in "${parts[@]}"; do
     profile) cmd="TORCH_LOGS=recompiles $PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT \
                   --modes eager all train fused --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 \
                   --repeats 2" ;;
-    *) echo "unknown part $part (test, engine, engine_pool, sync, card, card_ppo, card_warm, card_ppo_warm, card_nowarm, card_compile, gib_G, gib_ppo_G, qwen3_gib_G, plan_grpo, plan_ppo, plan_qwen3, grpo, grpo_compiled, grpo_pool, grpo_off_policy,"\
+    *) echo "unknown part $part (test, engine, engine_pool, sync, card, card_ppo, card_warm, card_ppo_warm, card_nowarm, card_compile, trl, gib_G, gib_ppo_G, qwen3_gib_G, plan_grpo, plan_ppo, plan_qwen3, grpo, grpo_compiled, grpo_pool, grpo_off_policy,"\
             "ppo, learn, learn_filter, val, profile, qwen3, scale, fused, scale_1, scale_1_warm,"\
             "scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
   esac

@@ -1,9 +1,10 @@
 # Source on an offline GPU machine, from the repo root, after carrying the parts built by the
-# fetch scripts (docs/gpu.md) into .whl/ (vllm1, vllm2: the vLLM site, vllm1 perhaps split in vllm1a and vllm1b;
-# model1..: the GGUF of Qwen2.5-Coder-0.5B-Instruct in parts; data: GSM8K parquet). Copies what arrived into
-# /tmp/stage, unpacks vLLM once its first and last parts are there and the whole matches its sha256, converts
-# the model in the call that carries gguf_to_hf.py (with the last model part; the converter checks the sha256
-# of the parts put together), exports the env.
+# fetch scripts (docs/gpu.md) into .whl/ (vllm1, vllm2: the vLLM site, vllm1 perhaps split in vllm1a and
+# vllm1b; model1..: the GGUF of Qwen2.5-Coder-0.5B-Instruct in parts; data: GSM8K parquet; trl: TRL's
+# wheels, for bench/trl_grpo.py). Copies what arrived into /tmp/stage, unpacks vLLM once its first and
+# last parts are there and the whole matches its sha256, converts the model in the call that carries
+# gguf_to_hf.py (with the last model part; the converter checks the sha256 of the parts put together),
+# installs TRL's wheels, exports the env.
 mkdir -p /tmp/stage
 for d in .whl/vllm* .whl/model* .whl/data; do [ -d "$d" ] && cp -n "$d"/* /tmp/stage/ 2>/dev/null; done
 [ -f .whl/gguf_to_hf.py ] && cp .whl/gguf_to_hf.py /tmp/stage/
@@ -13,6 +14,10 @@ if [ ! -f /tmp/site/vllm/__init__.py ] && [ -f /tmp/stage/site.tar.xz.part01 ] &
 fi
 if [ ! -f /tmp/models/qwen2.5-coder-0.5b-instruct/CONVERTED ] && [ -f .whl/gguf_to_hf.py ]; then
   python3 /tmp/stage/gguf_to_hf.py --stage /tmp/stage --out /tmp/models/qwen2.5-coder-0.5b-instruct || echo "model conversion FAILED"
+fi
+# TRL and what it needs beyond the machine's packages (bench/trl_grpo.py), from .whl/trl, once
+if [ -d .whl/trl ] && [ ! -d /tmp/trlsite/trl ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/trlsite .whl/trl/*.whl || echo "TRL install FAILED"
 fi
 export PYTHONPATH=/tmp/site VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 \
        VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1

@@ -149,6 +149,19 @@ def test_ab_table_by_hand(tmp_path, capsys):
     assert table["gen s"] == ["11", "10", "0.909"]  # 10 / 11
     assert table["logprob_gap_mean"] == ["0.0125", "0.0125", "1.000"]
     assert table["step 1 ended s"] == ["90", "90", "1.000"]
+    # another tool's run (bench/trl_grpo.py: the step's time and its end after launch only) against
+    # ours: the rows both have
+    trl = tmp_path / "trl.jsonl"
+    trl.write_text(
+        "".join(
+            json.dumps({"step": i + 1, "timing_s/step": s, "timing_s/since_launch": t}) + "\n"
+            for i, (s, t) in enumerate([(146, 146), (70, 216), (75, 291), (80, 371)])
+        )
+    )
+    ab_table.main(str(trl), b)
+    out = capsys.readouterr().out
+    table = {line[:24].strip(): line[24:].split() for line in out.splitlines()[1:]}
+    assert table == {"step s": ["75", "23", "0.307"], "step 1 ended s": ["146", "90", "0.616"]}
 
 
 def test_learn_table_by_hand(tmp_path, capsys):
