@@ -22,6 +22,8 @@
 #   bash bench/gpu_all.sh card trl  # TRL 1.16.0's GRPOTrainer at the same shape, model and data
 #                                   # (bench/trl_grpo.py, 5 steps; TRL's wheels in .whl/trl, docs/gpu.md),
 #                                   # then its steps beside the card part's (bench/ab_table.py: A = TRL)
+#   bash bench/gpu_all.sh card verl  # verl's GRPO tutorial command at the same model and data (verl 0.9.1;
+#                                   # bench/verl_grpo.py, 3 steps, its raw log kept), then beside the card run
 #   bash bench/gpu_all.sh plan_grpo plan_ppo  # the same, 3 steps, on a random-init model of Qwen2.5-0.5B's shape
 #                                   # (responses at the length limit, as the planner plans them)
 #   bash bench/gpu_all.sh grpo_compiled  # 5 GRPO steps, update compiled, 49k/64k-token micro-batches
@@ -157,6 +159,10 @@ for part in "${parts[@]}"; do
                  --train_files $DATA/train.parquet --out $RUNS/trl --steps 5 && cp $RUNS/trl/trl_steps.jsonl \
                  $OUT/trl.jsonl && if [ -f $OUT/card.jsonl ]; then $PY bench/ab_table.py $OUT/trl.jsonl \
                  $OUT/card.jsonl; fi" ;;
+    verl)   cmd="rm -rf $RUNS/verl; PYTHONPATH=/tmp/verlsite:\${PYTHONPATH:-} $PY bench/verl_grpo.py --model $MODEL \
+                 --data $DATA --out $RUNS/verl --steps 3; r=\$?; cp $RUNS/verl/verl.log $OUT/verl.log; \
+                 cp $RUNS/verl/verl_steps.jsonl $OUT/verl.jsonl && if [ -f $OUT/card.jsonl ]; then \
+                 $PY bench/ab_table.py $OUT/verl.jsonl $OUT/card.jsonl; fi; test \$r = 0" ;;
     card_compile) cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/compile_times.py train_grpo.py \
                  --model $MODEL $data --total_training_steps 3 --default_local_dir $RUNS/$part && cp \
                  $RUNS/$part/metrics.jsonl $OUT/$part.jsonl && $PY bench/phase_table.py $OUT/$part.jsonl $plain" ;;
@@ -227,7 +233,7 @@ for part in "${parts[@]}"; do
     profile) cmd="TORCH_LOGS=recompiles $PY -m torch.distributed.run --nproc_per_node=1 bench/profile_step.py --model $MODEL --out $OUT \
                   --modes eager all train fused --log_prob_tokens 32768 65536 --update_tokens 12288 24576 49152 \
                   --repeats 2" ;;
-    *) echo "unknown part $part (test, engine, engine_pool, sync, card, card_ppo, card_warm, card_ppo_warm, card_nowarm, card_compile, trl, gib_G, gib_ppo_G, qwen3_gib_G, plan_grpo, plan_ppo, plan_qwen3, grpo, grpo_compiled, grpo_pool, grpo_off_policy,"\
+    *) echo "unknown part $part (test, engine, engine_pool, sync, card, card_ppo, card_warm, card_ppo_warm, card_nowarm, card_compile, trl, verl, gib_G, gib_ppo_G, qwen3_gib_G, plan_grpo, plan_ppo, plan_qwen3, grpo, grpo_compiled, grpo_pool, grpo_off_policy,"\
             "ppo, learn, learn_filter, val, profile, qwen3, scale, fused, scale_1, scale_1_warm,"\
             "scale_1_vllm_compile, gen_seqs, scale_tp1, scale_tp2, scale_ppo, scale_table)"; exit 2 ;;
   esac

@@ -720,3 +720,45 @@ def test_compile_times_reports_the_graphs_of_a_script_that_exits_at_once(tmp_pat
     written = (tmp_path / "compile_times.txt").read_text()
     assert "torch.compile: 1 graphs" in written and written.strip() in proc.stdout
     assert "compile_inner" in written  # Dynamo's timers, by phase
+
+
+def test_verl_grpo_keeps_the_raw_log_and_each_steps_numbers(tmp_path):
+    """bench/verl_grpo.py around a stand-in for verl's trainer that prints as verl's console logger
+    does (behind Ray's prefix, numpy scalars as numpy 2 prints them): the command and every line in
+    the raw log, a row per step, the stand-in's exit status passed on."""
+    import verl_grpo
+
+    line = "(TaskRunner pid=7) step:2 - timing_s/step:283.5 - a/b@1:np.float64(0.25)"
+    assert verl_grpo.parse_step(line) == (2, {"timing_s/step": 283.5, "a/b@1": 0.25})
+    assert verl_grpo.parse_step("Training Progress:  33%|###  | 1/3") is None
+    fake = tmp_path / "fake" / "verl" / "trainer"
+    fake.mkdir(parents=True)
+    for init in (fake.parent / "__init__.py", fake / "__init__.py"):
+        init.write_text("")
+    (fake / "main_ppo.py").write_text(
+        "import sys\n"
+        "assert 'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4' in sys.argv\n"
+        "assert 'trainer.total_training_steps=2' in sys.argv and sys.argv[-1] == 'trainer.seed=3'\n"
+        "print('(TaskRunner pid=7) step:1 - timing_s/gen:30.5 - timing_s/step:290.0 - '\n"
+        "      'x:np.int64(4)')\n"
+        "print('some other line')\n"
+        "print('(TaskRunner pid=7) step:2 - timing_s/gen:29.0 - timing_s/step:283.0')\n"
+        "sys.exit(3)\n"
+    )
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "verl_grpo.py"), "--model", "M", "--data", "D"]
+        + ["--out", str(out), "--steps", "2", "trainer.seed=3"],
+        env=dict(os.environ, PYTHONPATH=str(tmp_path / "fake")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 3, proc.stderr
+    log = (out / "verl.log").read_text().splitlines()
+    assert log[0].startswith("$ ") and "-m verl.trainer.main_ppo" in log[0]
+    assert "data.train_files=D/train.parquet" in log[0] and "some other line" in log
+    rows = [json.loads(line) for line in (out / "verl_steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["timing_s/gen"] == 30.5 and rows[0]["x"] == 4 and rows[1]["timing_s/step"] == 283
+    assert 0 < rows[0]["timing_s/since_launch"] <= rows[1]["timing_s/since_launch"]
