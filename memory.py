@@ -27,7 +27,8 @@ that leaves too little the helper is left out (the first step then compiles as t
 
 Every response is planned at --max_response_length after the mean prompt, and a micro-batch full
 to its budget (or holding the whole pass, when that is less), so the plan holds for the longest
-responses; a model that answers shorter uses less. Two constants are measured, not derived: the
+responses; a model that answers shorter uses less (`Plan.at` redoes the arithmetic at a step's mean
+lengths, for its measured peaks to be set beside). Two constants are measured, not derived: the
 activations a token keeps per layer (eager and compiled, `ACT_EAGER` / `ACT_COMPILED`, against one
 H200's peaks, docs/benchmarks.md). Everything is in bytes; the table prints GiB, as
 `perf/max_memory_allocated_gb/<phase>` logs them (torch's allocated bytes, without its cache or the
@@ -89,20 +90,11 @@ KNOWN = {
 
 def known_config(name):
     """A config-like namespace for a hub id of `KNOWN` (or its -Instruct variant), else None."""
-    key = name.lower().removesuffix("-instruct")
-    for hub_id, (h, i, layers, heads, kv, hd, vocab, tied) in KNOWN.items():
-        if hub_id.lower() == key:
-            return SimpleNamespace(
-                hidden_size=h,
-                intermediate_size=i,
-                num_hidden_layers=layers,
-                num_attention_heads=heads,
-                num_key_value_heads=kv,
-                head_dim=hd,
-                vocab_size=vocab,
-                tie_word_embeddings=tied,
-            )
-    return None
+    keys = "hidden_size intermediate_size num_hidden_layers num_attention_heads"
+    keys += " num_key_value_heads head_dim vocab_size tie_word_embeddings"
+    shapes = {hub_id.lower(): shape for hub_id, shape in KNOWN.items()}
+    shape = shapes.get(name.lower().removesuffix("-instruct"))
+    return SimpleNamespace(**dict(zip(keys.split(), shape))) if shape else None
 
 
 @functools.cache
@@ -259,6 +251,7 @@ class Plan:
     bound: bool = False
     notes: list = field(default_factory=list)  # what the planner chose beyond budgets, and why
     advice: list = field(default_factory=list)  # what would make it fit, where it does not
+    at: object = None  # at(prompt_len, response_len): {phase: peak} at a step's mean lengths
 
     def worst(self):
         """Why it is not `good`, as a phrase: the phase furthest over what it may use, or the
@@ -429,6 +422,22 @@ def plan(
         for name, (peak, _) in result.phases.items()
         if peak > usable
     ]
+
+    # Plan.at: the same arithmetic, budgets and engine share at a step's mean lengths. A plan is
+    # made for responses at the length limit; a step's are mostly shorter, so its micro-batches
+    # hold fewer response tokens (and logits): that is what its measured peaks test
+    again = functools.partial(
+        plan, models, gpu_bytes, world=world, batch_seqs=batch_seqs,
+        mini_batch_seqs=mini_batch_seqs, fused_kernels=fused_kernels,
+        compiled_log_probs=compiled_log_probs, compile_update=compile_update,
+        engine_share=engine_share, budgets=chosen, helper=helper,
+    )  # fmt: skip
+
+    def at(prompt_len, response_len):
+        step = again(prompt_len=prompt_len, response_len=response_len)
+        return {name: peak for name, (peak, _) in step.phases.items()}
+
+    result.at = at
     return result
 
 

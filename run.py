@@ -376,11 +376,14 @@ class Run:
             "training/epoch": batch.epoch,
             "timing_s/since_launch": seconds_since_launch(),
         }
-        if self.plan is not None:  # the memory planner's prediction beside each measured peak
+        if self.plan is not None:  # the memory planner's prediction beside each measured peak:
+            # its plan (responses at the length limit) and its arithmetic at this step's lengths
             metrics |= {
                 f"perf/planned_memory_gb/{phase}": peak / 2**30
                 for phase, (peak, _) in self.plan.phases.items()
             }
+            at = self.plan.at((tokens - responses) / n_seqs, responses / n_seqs)
+            metrics |= {f"perf/predicted_memory_gb/{phase}": v / 2**30 for phase, v in at.items()}
         perf = (self.config, tokens / n_seqs, tokens, responses, self.peak_flops, args.ppo_epochs)
         metrics |= phase_perf(t, *perf, self.push_bytes)
         if source.overlap:  # the generation's own time, beside the previous step's training

@@ -7,7 +7,10 @@ For each phase: the plan's prediction (`perf/planned_memory_gb/<phase>`), the la
 same for step 1 where it had a plan of its own (--warm_compile_caches' eager first step beside the
 compiling helper), or for step 1 alone when there is no other (AdamW's state appears during it).
 The plan assumes every response at the length limit: a model that answers shorter measures less.
-PEAK.json (bench/nvml_peak.py): the GPU memory all the run's processes held, by the driver's count.
+So the last two columns set the peak beside the plan's arithmetic at the lengths of the step that
+measured it (`perf/predicted_memory_gb/<phase>`, where the run logged it): the test of the
+arithmetic itself. PEAK.json (bench/nvml_peak.py): the GPU memory all the run's processes held, by
+the driver's count.
 """
 
 import json
@@ -19,20 +22,27 @@ def planned(row):
 
 
 def table(title, rows):
-    """Lines: each phase's prediction (the rows' last) beside the largest peak measured in them."""
+    """Lines: each phase's prediction (the rows' last) beside the largest peak measured in them,
+    and the prediction at the lengths of the step that measured it."""
     plan = planned(rows[-1])
     lines = [
         title,
-        f"{'phase':<15} {'planned GiB':>11} {'measured GiB':>12} {'measured/planned':>16}",
+        f"{'phase':<15} {'planned GiB':>11} {'measured GiB':>12} {'measured/planned':>16} "
+        f"{'at its lengths GiB':>18} {'measured/that':>13}",
     ]
     for phase, predicted in plan.items():
         key = f"perf/max_memory_allocated_gb/{phase}"
-        measured = [r[key] for r in rows if key in r]
+        measured = [r for r in rows if key in r]
         if not measured:
             lines.append(f"{phase:<15} {predicted:>11.1f} {'-':>12}")
             continue
-        peak = max(measured)
-        lines.append(f"{phase:<15} {predicted:>11.1f} {peak:>12.1f} {peak / predicted:>16.2f}")
+        row = max(measured, key=lambda r: r[key])
+        peak = row[key]
+        line = f"{phase:<15} {predicted:>11.1f} {peak:>12.1f} {peak / predicted:>16.2f}"
+        at = row.get(f"perf/predicted_memory_gb/{phase}")
+        if at:
+            line += f" {at:>18.1f} {peak / at:>13.2f}"
+        lines.append(line)
     return lines
 
 

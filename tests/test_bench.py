@@ -69,6 +69,10 @@ def test_plan_table_sets_the_first_steps_own_plan_apart(tmp_path, capsys):
          "perf/planned_memory_gb/save_checkpoint": 8.0,
          "perf/max_memory_allocated_gb/save_checkpoint": 6.0},
     ]  # fmt: skip
+    # a run that logs the plan's arithmetic at each step's lengths: set beside the step whose peak
+    # is the largest (step 3's 38.0 against its 36.0, not step 2's)
+    rows[1]["perf/predicted_memory_gb/update_actor"] = 35.0
+    rows[2]["perf/predicted_memory_gb/update_actor"] = 36.0
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     peak = tmp_path / "peak.json"
@@ -76,7 +80,7 @@ def test_plan_table_sets_the_first_steps_own_plan_apart(tmp_path, capsys):
     plan_table.main(str(path), str(peak))
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "steps 2-3"
-    assert out[2].split() == ["update_actor", "40.0", "38.0", "0.95"]
+    assert out[2].split() == ["update_actor", "40.0", "38.0", "0.95", "36.0", "1.06"]
     assert out[3].split() == ["save_checkpoint", "8.0", "6.0", "0.75"]
     assert out[4] == "step 1 (its own plan)"
     assert out[6].split() == ["update_actor", "50.0", "45.0", "0.90"]

@@ -107,6 +107,15 @@ def test_a_plan_by_hand(monkeypatch):
     # checkpoint and export: resident and the largest tensor gathered in fp32 (the embedding, 40)
     assert p.phases["save_checkpoint"][0] == p.phases["export"][0] == 6_800 + 160
     assert p.phases["testing"] == p.phases["update_weights"] == p.phases["gen"]
+    # at a step's mean lengths, with the plan's budgets and engine share: at the plan's own, the
+    # plan; with responses of 4 after prompts of 28, an eighth of a sequence is response, so the
+    # logits halve: 6,800 + 8192 x 0.125 x 20 + 8192 x 32 = 289,424 for the log-prob passes, and
+    # 6,800 + 1,616 + 2048 x 319.2 + 2048 x 5 = 672,377.6 for the update
+    assert p.at(24, 8) == {name: peak for name, (peak, _) in p.phases.items()}
+    at = p.at(28, 4)
+    assert at["old_log_prob"] == at["ref"] == pytest.approx(289_424)
+    assert at["update_actor"] == pytest.approx(672_377.6)
+    assert at["gen"] == p.phases["gen"][0]
 
 
 def within(predicted, low, high, tolerance=0.15):
