@@ -314,6 +314,7 @@ def plan(
     budgets=None,
     helper=0,
     budget_floor=BUDGET_FLOOR,
+    split=False,
 ):
     """Predict each phase's peak on one GPU for `models` (a list of `Part`, the policy first) and
     choose what is not given: the engine's share of the GPU (`engine_share`: what the trainer
@@ -325,7 +326,9 @@ def plan(
 
     prompt_len: the prompts' mean length in tokens (their maximum when the data is not read);
     response_len: --max_response_length; batch_seqs / mini_batch_seqs: the sequences of a step and
-    of an optimizer step on this GPU (a micro-batch holds no more than they do)."""
+    of an optimizer step on this GPU (a micro-batch holds no more than they do). `split`: each
+    micro-batch as passes.micro_batches fills it, an equal share of the pass's tokens (at a step's
+    mean lengths), rather than full to its budget (what the longest responses may do)."""
     usable = int(gpu_bytes * MARGIN - OVERHEAD) - helper
     longest = prompt_len + response_len
     share = response_len / longest  # the response tokens of a full micro-batch
@@ -337,6 +340,8 @@ def plan(
     def full(budget, seqs):
         """A micro-batch's tokens at most: the budget, unless the pass holds fewer (sequences of
         unequal length fill some micro-batch of a step nearly to the budget)."""
+        if split:
+            return seqs * longest / math.ceil(seqs * longest / budget)
         return min(budget, seqs * longest)
 
     def no_grad_pass(m, budget):
@@ -423,14 +428,15 @@ def plan(
         if peak > usable
     ]
 
-    # Plan.at: the same arithmetic, budgets and engine share at a step's mean lengths. A plan is
-    # made for responses at the length limit; a step's are mostly shorter, so its micro-batches
-    # hold fewer response tokens (and logits): that is what its measured peaks test
+    # Plan.at: the same arithmetic, budgets and engine share at a step's mean lengths, its passes
+    # split as passes.micro_batches splits them. A plan is made for responses at the length limit
+    # and micro-batches full to their budgets; a step's responses are mostly shorter, so its
+    # micro-batches hold fewer tokens and logits: that is what its measured peaks test
     again = functools.partial(
         plan, models, gpu_bytes, world=world, batch_seqs=batch_seqs,
         mini_batch_seqs=mini_batch_seqs, fused_kernels=fused_kernels,
         compiled_log_probs=compiled_log_probs, compile_update=compile_update,
-        engine_share=engine_share, budgets=chosen, helper=helper,
+        engine_share=engine_share, budgets=chosen, helper=helper, split=True,
     )  # fmt: skip
 
     def at(prompt_len, response_len):

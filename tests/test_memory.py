@@ -116,6 +116,13 @@ def test_a_plan_by_hand(monkeypatch):
     assert at["old_log_prob"] == at["ref"] == pytest.approx(289_424)
     assert at["update_actor"] == pytest.approx(672_377.6)
     assert at["gen"] == p.phases["gen"][0]
+    # and split as passes.micro_batches splits a pass: responses of 4 after prompts of 20 make an
+    # optimizer step's 128 sequences 3,072 tokens, two micro-batches of 1,536 (not one full to the
+    # 2,048-token budget), a sixth of them response: 6,800 + 1,616 + 1536 x (319.2 + 20/3);
+    # the log-prob passes' 6,144 tokens one micro-batch: 6,800 + 6144 x (20/6 + 32)
+    at = p.at(20, 4)
+    assert at["update_actor"] == pytest.approx(508_947.2)
+    assert at["old_log_prob"] == pytest.approx(223_888)
 
 
 def within(predicted, low, high, tolerance=0.15):
@@ -177,6 +184,48 @@ def test_the_qwen25_plan_against_the_h200s_peaks():
     # budgets given on the command line are not the planner's: at the caps or below, not bound
     given = memory.plan(policy(shape), H200, **tutorial, budgets={"update": 8192, "log_prob": 8192})
     assert not given.bound
+
+
+def test_the_plans_arithmetic_at_each_steps_lengths_against_the_h200s_peaks():
+    """The README's commands on one H200 (2026-12-05, docs/runs/ab_card_b_h200_* and
+    card_ppo_cold_1_h200_*). The plan, made for responses at the length limit, is 18-50% above the
+    log-prob and update peaks of a model that answers in about 280 tokens (3% below the value
+    pass's); at each step's mean lengths (`Plan.at`) the same arithmetic is within 6% of every
+    peak (3.8% below to 5.2% above). Steps 2-5 (GRPO) and 2-4 (PPO): prompt and response mean,
+    then the peaks in GiB (log-prob, update; PPO: log-prob, values, actor and critic updates)."""
+    shape = memory.Shape.of(QWEN25_05B)
+    grpo = memory.plan(
+        policy(shape), H200, prompt_len=105, response_len=1024, batch_seqs=1280, mini_batch_seqs=320
+    )
+    assert grpo.budgets == {"log_prob": 65536, "update": 49152}
+    steps = [
+        (105.1, 289.0, 24.0, 69.9),
+        (104.2, 282.3, 23.6, 68.7),
+        (103.7, 276.0, 23.4, 68.4),
+        (99.9, 248.6, 23.7, 65.5),
+    ]
+    for prompt, response, log_prob, update in steps:
+        at = grpo.at(prompt, response)
+        assert within(at["old_log_prob"], log_prob, log_prob, 0.06)
+        assert within(at["update_actor"], update, update, 0.06)
+        assert grpo.phases["old_log_prob"][0] / GiB > 1.15 * log_prob  # the plan: a bound
+    ppo = memory.plan(
+        [*policy(shape), critic(shape)],
+        H200,
+        prompt_len=105,
+        response_len=512,
+        batch_seqs=256,
+        mini_batch_seqs=64,
+    )
+    steps = [
+        (105.1, 275.8, 26.2, 17.6, 49.9, 39.8),
+        (104.2, 282.9, 26.5, 17.2, 49.7, 39.8),
+        (103.7, 279.1, 26.4, 17.6, 49.8, 39.9),
+    ]
+    for prompt, response, *peaks in steps:
+        at = ppo.at(prompt, response)
+        for phase, peak in zip(("old_log_prob", "values", "update_actor", "update_critic"), peaks):
+            assert within(at[phase], peak, peak, 0.06), phase
 
 
 def test_the_chunked_output_layer_leaves_a_pass_without_gradients_one_chunk_of_logits():
