@@ -209,14 +209,8 @@ def test_the_plans_arithmetic_at_each_steps_lengths_against_the_h200s_peaks():
         assert within(at["old_log_prob"], log_prob, log_prob, 0.06)
         assert within(at["update_actor"], update, update, 0.06)
         assert grpo.phases["old_log_prob"][0] / GiB > 1.15 * log_prob  # the plan: a bound
-    ppo = memory.plan(
-        [*policy(shape), critic(shape)],
-        H200,
-        prompt_len=105,
-        response_len=512,
-        batch_seqs=256,
-        mini_batch_seqs=64,
-    )
+    quickstart = dict(prompt_len=105, response_len=512, batch_seqs=256, mini_batch_seqs=64)
+    ppo = memory.plan([*policy(shape), critic(shape)], H200, **quickstart)
     steps = [
         (105.1, 275.8, 26.2, 17.6, 49.9, 39.8),
         (104.2, 282.9, 26.5, 17.2, 49.7, 39.8),
