@@ -159,7 +159,9 @@ for part in "${parts[@]}"; do
                  --train_files $DATA/train.parquet --out $RUNS/trl --steps 5 && cp $RUNS/trl/trl_steps.jsonl \
                  $OUT/trl.jsonl && if [ -f $OUT/card.jsonl ]; then $PY bench/ab_table.py $OUT/trl.jsonl \
                  $OUT/card.jsonl; fi" ;;
-    verl)   cmd="rm -rf $RUNS/verl; PYTHONPATH=/tmp/verlsite:\${PYTHONPATH:-} $PY bench/verl_grpo.py --model $MODEL \
+    # vLLM as verl runs it (its own processes): not this project's in-process setting
+    verl)   cmd="rm -rf $RUNS/verl; env -u VLLM_ENABLE_V1_MULTIPROCESSING PYTHONPATH=/tmp/verlsite:\${PYTHONPATH:-} \
+                 $PY bench/verl_grpo.py --model $MODEL \
                  --data $DATA --out $RUNS/verl --steps 3; r=\$?; cp $RUNS/verl/verl.log $OUT/verl.log; \
                  cp $RUNS/verl/verl_steps.jsonl $OUT/verl.jsonl && if [ -f $OUT/card.jsonl ]; then \
                  $PY bench/ab_table.py $OUT/verl.jsonl $OUT/card.jsonl; fi; test \$r = 0" ;;
