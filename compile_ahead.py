@@ -80,8 +80,8 @@ def compile_ahead(loaded, specs, args, device, tokens=None):
                 packed,
                 T,
                 budget,
-                spec.trained,
-                args.use_fused_kernels,
+                with_entropy=spec.trained,
+                fused=args.use_fused_kernels,
             )
     for spec in (s for s in specs if s.trained):
         model = loaded[spec.role]

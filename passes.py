@@ -168,8 +168,8 @@ def log_prob_pass(model, samples, T, args, with_entropy=False):
         packed,
         T,
         budget,
-        with_entropy,
-        args.use_fused_kernels,
+        with_entropy=with_entropy,
+        fused=args.use_fused_kernels,
     )
 
 

@@ -52,14 +52,14 @@ def one(way, tokens, hidden_size, vocab, dtype, out, no_grad=False):
         .requires_grad_(not no_grad)
     )
     targets = torch.randint(0, vocab, (tokens,), generator=g, device=device)
-    math = ops.token_log_probs
+    log_probs_of = ops.token_log_probs
     if no_grad and device.type == "cuda":
-        math = ops.compiled_log_probs
+        log_probs_of = ops.compiled_log_probs
 
     def run():
         if way == "fused":
             return ops.ChunkedLogProbs.apply(hidden, weight, targets, 1.0, max(1, 2**28 // vocab))
-        return math(hidden @ weight.T, targets, 1.0, with_entropy=True)
+        return log_probs_of(hidden @ weight.T, targets, 1.0, with_entropy=True)
 
     try:
         with torch.no_grad() if no_grad else contextlib.nullcontext():
