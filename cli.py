@@ -1,6 +1,7 @@
 """The command line of a train script: --help in the sections of its flags, each default once; a
 flag error in a line naming the closest flags; verl's dotted keys (`section.key=value`) read as the
-flags they map to, through the table docs/flags.md is written from (`VERL`).
+flags they map to, through the tables docs/flags.md is written from: `VERL` here for the flags
+every script shares, and a script's own `Args.VERL` for its algorithm's (`verl_table`).
 """
 
 import argparse
@@ -16,8 +17,9 @@ from transformers import HfArgumentParser
 from flags import need
 
 ARA = "actor_rollout_ref"
-# each flag's key in verl's config (docs/flags.md is written from it, and the command line takes
-# the keys: `verl_flags`); None: ours, verl has none
+# each shared flag's key in verl's config (docs/flags.md is written from it, and the command line
+# takes the keys: `verl_flags`); None: ours, verl has none. A note after the key says how its value
+# reads here (`NOTES`). A script's Args adds its own flags' keys as `VERL`.
 VERL = {
     "model": f"{ARA}.model.path",
     "train_files": "data.train_files",
@@ -102,38 +104,6 @@ VERL = {
     "project_name": "trainer.project_name",
     "experiment_name": "trainer.experiment_name",
     "seed": "data.seed / actor_rollout_ref.rollout.seed",
-    "actor_lr": f"{ARA}.actor.optim.lr",
-    "weight_decay": f"{ARA}.actor.optim.weight_decay",
-    "grad_clip": f"{ARA}.actor.grad_clip",
-    "clip_ratio_low": f"{ARA}.actor.clip_ratio_low",
-    "clip_ratio_high": f"{ARA}.actor.clip_ratio_high",
-    "clip_ratio_c": f"{ARA}.actor.clip_ratio_c",
-    "loss_agg_mode": f"{ARA}.actor.loss_agg_mode",
-    "norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std_in_grpo",
-    "entropy_coeff": f"{ARA}.actor.entropy_coeff",
-    "use_kl_loss": f"{ARA}.actor.use_kl_loss",
-    "kl_loss_coef": f"{ARA}.actor.kl_loss_coef",
-    "kl_loss_type": f"{ARA}.actor.kl_loss_type",
-    "use_kl_in_reward": "algorithm.use_kl_in_reward",
-    "kl_coef": "algorithm.kl_ctrl.kl_coef",
-    "kl_penalty": "algorithm.kl_penalty",
-    "kl_ctrl_type": "algorithm.kl_ctrl.type",
-    "kl_target": "algorithm.kl_ctrl.target_kl",
-    "kl_horizon": "algorithm.kl_ctrl.horizon",
-    "gamma": "algorithm.gamma",
-    "lam": "algorithm.lam",
-    "critic_model": "critic.model.path",
-    "critic_lr": "critic.optim.lr",
-    "critic_weight_decay": "critic.optim.weight_decay",
-    "critic_warmup": "trainer.critic_warmup",
-    "critic_ppo_micro_batch_size_per_gpu": "critic.ppo_micro_batch_size_per_gpu",
-    "critic_ppo_max_token_len_per_gpu": "critic.ppo_max_token_len_per_gpu",
-    "critic_grad_clip": "critic.grad_clip",
-    "cliprange_value": "critic.cliprange_value",
-    "vf_coef": None,  # verl applies it to a shared actor-critic loss only
-    "critic_enable_gradient_checkpointing": "critic.model.enable_gradient_checkpointing",
-    "critic_param_offload": "critic.model.fsdp_config.param_offload",
-    "critic_optimizer_offload": "critic.model.fsdp_config.optimizer_offload",
 }
 
 
@@ -252,11 +222,40 @@ def parser(Args):
     return p
 
 
-def verl_keys():
-    """verl's config keys (`VERL`) -> (flag, inverted): "a/b" in a key and " / " between keys name
-    alternatives; a note after the key (" (inverted)") says how the value reads."""
+def verl_table(Args):
+    """{flag: verl's key} for every flag of `Args`: the shared ones (`VERL`) and those the script's
+    Args (and any class between it and RunArgs) declares as its `VERL`."""
+    table = dict(VERL)
+    for cls in reversed(Args.__mro__):
+        table.update(vars(cls).get("VERL", {}))
+    return table
+
+
+def verl_settled(Args):
+    """verl's keys with no flag here, {key: (values that ask for what this script does, or None
+    for any; why)}: the shared ones (`VERL_SETTLED`) and the script's Args' `VERL_SETTLED`. A key
+    ending in "." stands for all of a section's keys."""
+    table = dict(VERL_SETTLED)
+    for cls in reversed(Args.__mro__):
+        table.update(vars(cls).get("VERL_SETTLED", {}))
+    return table
+
+
+# how a value reads here, by the note after a key in the tables: verl's enforce_eager is the
+# opposite of --rollout_compile; its trainer.critic_warmup=N updates the actor from step N (steps
+# count from 1), --critic_warmup N after N critic-only steps
+NOTES = {
+    "(inverted)": lambda v: "false" if v.lower() in ("true", "1", "yes") else "true",
+    "(one less)": lambda v: str(max(int(v) - 1, 0)) if v.isdigit() else v,
+}
+
+
+def verl_keys(Args):
+    """verl's config keys (`verl_table`) -> (flag, how its value reads: a function or None): "a/b"
+    in a key and " / " between keys name alternatives; a note after the key (`NOTES`) says how
+    the value reads."""
     out = {}
-    for name, keys in VERL.items():
+    for name, keys in verl_table(Args).items():
         for key in (keys or "").split(" / "):
             key, _, note = key.partition(" ")
             parts = [part.split("/") for part in key.split(".")]
@@ -265,27 +264,20 @@ def verl_keys():
                 expanded = [f"{e}.{a}" if e else a for e in expanded for a in alternatives]
             for k in expanded:
                 if "." in k:
-                    out[k] = (name, note == "(inverted)")
+                    out[k] = (name, NOTES.get(note))
     return out
 
 
 # verl's keys with no flag here that a pasted command line may hold: what they mean here
 VERL_ELSEWHERE = {
-    "algorithm.adv_estimator": "the script is the estimator: train_grpo.py (grpo), train_ppo.py "
-    "(gae)",
     "trainer.device": "the device is what torch finds",
     "data.return_raw_chat": "prompts are tokenized here",
 }
-
-# verl's values that mean something else here, as ours: verl's trainer.critic_warmup=N updates the
-# actor from its step N (steps count from 1), --critic_warmup N after N critic-only steps
-VERL_VALUES = {"critic_warmup": lambda v: str(max(int(v) - 1, 0)) if v.isdigit() else v}
 
 # verl's keys for a choice that has one answer here: the values that ask for it (None: any) are
 # left out with a note, another is refused; both say why
 VERL_SETTLED = {
     "actor_rollout_ref.actor.strategy": (("fsdp", "fsdp2"), "training is FSDP2 here"),
-    "critic.strategy": (("fsdp", "fsdp2"), "training is FSDP2 here"),
     "actor_rollout_ref.rollout.mode": (
         ("sync", "async"),
         "the engine runs in the trainer's own process",
@@ -303,49 +295,43 @@ VERL_SETTLED = {
 }
 
 
+def settled_as(key, settled):
+    """The entry of `settled` (`verl_settled`) for `key`: its own, or its section's."""
+    if key in settled:
+        return settled[key]
+    sections = [k for k in settled if k.endswith(".") and key.startswith(k)]
+    return settled[max(sections, key=len)] if sections else None
+
+
 def verl_flags(Args, argv):
     """verl's `section.key=value` arguments (Hydra's, as in verl's tutorials) as this script's
     flags; a key with no counterpart is named. Hydra's `+` prefixes are taken, `null` leaves the
     default."""
-    names = {f.name for f in fields(Args)}
-    keys, out, script, unknown = verl_keys(), [], os.path.basename(sys.argv[0]), []
+    keys, settled = verl_keys(Args), verl_settled(Args)
+    out, script, unknown = [], os.path.basename(sys.argv[0]), []
     for arg in argv:
         m = re.fullmatch(r"\+{0,2}([A-Za-z_]\w*(?:\.\w+)+)=(.*)", arg)
         if m is None:
             out.append(arg)
             continue
         key, value = m.groups()
-        if key == "algorithm.adv_estimator":
-            ours = {"train_grpo.py": "grpo", "train_ppo.py": "gae"}.get(script)
-            need(
-                ours is None or value == ours,
-                f"{key}={value}: {VERL_ELSEWHERE[key]}; this one is {script} ({ours})",
-            )
-            continue
         value = value.replace("'", "").replace('"', "").strip()  # Hydra's quotes
         if value.startswith("[") and value.endswith("]"):  # a list: [a,b] reads as a,b
             value = ",".join(v.strip() for v in value[1:-1].split(","))
-        if key in VERL_SETTLED:
-            values, why = VERL_SETTLED[key]
+        if key not in keys and settled_as(key, settled):
+            values, why = settled_as(key, settled)
             need(values is None or value.lower() in values, f"verl's {key}={value}: {why}")
             print(f"{script}: verl's {key}={value}: {why}: left out", file=sys.stderr)
-            continue
-        if key in keys and keys[key][0] not in names:  # another script's (PPO's critic_*)
-            print(f"{script}: verl's {key} has no meaning here: left out", file=sys.stderr)
             continue
         if key not in keys:
             near = difflib.get_close_matches(key, list(keys), n=2, cutoff=0.75)
             hint = f" (did you mean {' or '.join(near)}?)" if near else ""
             unknown.append(f"verl's {key}: {VERL_ELSEWHERE.get(key, 'no counterpart here')}{hint}")
             continue
-        name, inverted = keys[key]
+        name, reads = keys[key]
         if value.lower() in ("null", "none", "~"):
             continue  # the default
-        if inverted:
-            value = "false" if value.lower() in ("true", "1", "yes") else "true"
-        if name in VERL_VALUES:
-            value = VERL_VALUES[name](value)
-        out += [f"--{name}", value]
+        out += [f"--{name}", reads(value) if reads else value]
     need(not unknown, "; ".join(unknown) + " (docs/flags.md maps verl's keys to flags)")
     return out
 

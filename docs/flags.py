@@ -1,6 +1,7 @@
 """Write docs/flags.md, every flag of both train scripts with its defaults, its --help and verl's key,
-from the scripts' Args: `python docs/flags.py`. tests/test_docs.py fails when a flag has no entry
-in VERL below or the file is not what this writes."""
+from the scripts' Args: `python docs/flags.py`. tests/test_docs.py fails when a flag has no verl
+entry (cli.VERL for the shared flags, a script's Args.VERL for its own) or the file is not what
+this writes."""
 
 import dataclasses
 import os
@@ -9,7 +10,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from cli import VERL  # noqa: E402
+from cli import verl_table  # noqa: E402
 from flags import DOCS  # noqa: E402
 
 
@@ -22,11 +23,12 @@ def rows():
         return {f.name: (f.default, DOCS.get(f, f.metadata["help"])) for f in dataclasses.fields(Args)}
 
     grpo, ppo = defaults(train_grpo.Args), defaults(train_ppo.Args)
+    keys = verl_table(train_grpo.Args) | verl_table(train_ppo.Args)
     for name in dict.fromkeys([*grpo, *ppo]):
         help = (grpo.get(name) or ppo.get(name))[1]
         g = repr(grpo[name][0]) if name in grpo else "-"
         p = repr(ppo[name][0]) if name in ppo else "-"
-        yield name, g, p, help, VERL.get(name, "MISSING")
+        yield name, g, p, help, keys.get(name, "MISSING")
 
 
 def markdown():

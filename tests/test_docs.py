@@ -5,6 +5,7 @@ import dataclasses
 import importlib.util
 from pathlib import Path
 
+import cli
 import train_grpo
 import train_ppo
 
@@ -19,12 +20,15 @@ def flags_doc():
 
 
 def test_every_flag_has_its_row_and_verl_key():
-    doc = flags_doc()
-    names = {f.name for Args in (train_grpo.Args, train_ppo.Args) for f in dataclasses.fields(Args)}
-    assert not names - set(doc.VERL), (
-        f"flags without an entry in docs/flags.py: {names - set(doc.VERL)}"
-    )
-    assert not set(doc.VERL) - names, f"entries for no flag: {set(doc.VERL) - names}"
+    for Args in (train_grpo.Args, train_ppo.Args):
+        names, table = {f.name for f in dataclasses.fields(Args)}, cli.verl_table(Args)
+        assert not names - set(table), (
+            f"{Args.__module__}: flags without a verl entry (cli.VERL or its Args.VERL): "
+            f"{names - set(table)}"
+        )
+        assert not set(table) - names, (
+            f"{Args.__module__}: entries for no flag: {set(table) - names}"
+        )
 
 
 def test_docs_flags_md_is_current():

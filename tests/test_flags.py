@@ -102,11 +102,14 @@ def test_verls_command_line_is_taken_through_the_flags_table(monkeypatch, capsys
     assert not args.param_offload and args.filter_overlong_prompts
     assert args.logger == "console" and args.test_freq == 5 and args.save_freq == -1
     assert args.n_gpus_per_node == 1 and args.nnodes == 1
-    assert "verl's trainer.critic_warmup has no meaning here: left out" in capsys.readouterr().err
+    assert "verl's trainer.critic_warmup=0: GRPO has no critic: left out" in capsys.readouterr().err
     # the per-sequence micro-batches given this way count as given (verl's meaning kept)
     assert "ppo_micro_batch_size_per_gpu" in cli.given_flags()
-    with pytest.raises(SystemExit, match="this one is train_grpo.py"):
+    # what a script's Args says of verl's keys it has no flag for: the estimator it is, a section
+    with pytest.raises(SystemExit, match="adv_estimator=gae: this script is GRPO"):
         cli.parse(train_grpo.Args, ["algorithm.adv_estimator=gae"])
+    cli.parse(train_grpo.Args, ["algorithm.adv_estimator=grpo", "critic.optim.lr=1e-5"])
+    assert "verl's critic.optim.lr=1e-5: GRPO has no critic: left out" in capsys.readouterr().err
     # every key without a counterpart at once, not one a launch
     with pytest.raises(SystemExit) as e:
         cli.parse(train_grpo.Args, ["trainer.foo=3", "actor_rollout_ref.actor.optim.lrr=3"])

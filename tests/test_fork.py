@@ -59,8 +59,8 @@ def drift(grpo_source, ppo_source):
             difflib.unified_diff(
                 grpo.get(name, "").splitlines(keepends=True),
                 ppo.get(name, "").splitlines(keepends=True),
-                "train_grpo.py",
-                "train_ppo.py",
+                f"train_grpo.py: {name}",
+                f"train_ppo.py: {name}",
             )
         )
         for name in SHARED
@@ -82,6 +82,10 @@ def test_a_fix_made_in_one_copy_only_is_named():
     assert fixed != ppo
     assert list(drift(grpo, fixed)) == ["agg_loss"]
     assert "-        return masked.sum() / num_tokens\n" in drift(grpo, fixed)["agg_loss"]
+    assert (
+        "--- train_grpo.py: agg_loss\n+++ train_ppo.py: agg_loss\n"
+        in drift(grpo, fixed)["agg_loss"]
+    )
     assert list(drift(grpo, ppo.replace("def kl_penalty(", "def kl_estimate("))) == ["kl_penalty"]
 
 
