@@ -1,5 +1,6 @@
-"""How a run ends early: a SIGTERM checkpoints the step in progress (within a deadline), and a rank
-that fails ends every rank within seconds, its error first in torchrun's summary.
+"""How a run ends: early, a SIGTERM checkpoints the step in progress (within a deadline), and a rank
+that fails ends every rank within seconds, its error first in torchrun's summary; at the end, the
+process's exit status says whether the run finished (`run_to_end`).
 """
 
 import contextlib
@@ -15,8 +16,10 @@ import traceback
 import torch
 import torch.distributed as dist
 
+import metrics
 import reward
 import sharding
+from flags import BadInput
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # a scheduler's or timeout's; a closed terminal's
 
@@ -252,3 +255,59 @@ def fail(error):
     sys.stderr.flush()
     reward.close_all()
     os._exit(1)
+
+
+def out_of_memory_note():
+    """What to do when the GPU ran out of memory, and in which phase (torch's error follows)."""
+    where = " > ".join(metrics.OUT_OF_MEMORY_IN) or "start-up or between two phases"
+    return (
+        f"{os.path.basename(sys.argv[0])}: out of GPU memory in {where}. The plan printed at "
+        "start-up gave each phase its share (--print_plan shows it; metrics.jsonl has "
+        "perf/planned_memory_gb/<phase> beside the measured perf/max_memory_allocated_gb/<phase>). "
+        "Where other processes hold part of this GPU, give the run what is left with "
+        "--gpu_memory_gib; else lower --ppo_max_token_len_per_gpu or "
+        "--log_prob_max_token_len_per_gpu, or turn on --use_fused_kernels, "
+        "--enable_gradient_checkpointing, --ref_param_offload or --optimizer_offload (README, "
+        "Troubleshooting)."
+    )
+
+
+def run_to_end(main, args):
+    """Run a train script's `main(args)` and end the process: a finished run with status 0 and
+    without the interpreter's teardown; a refused input (`flags.BadInput`) in its line; running
+    out of GPU memory with `out_of_memory_note` before torch's error; a sys.exit() from somewhere
+    the run did not mean to end as a failure; any failure with more than one rank through `fail`,
+    which ends every rank."""
+    try:
+        main(args)
+    except BaseException as error:
+        if isinstance(error, BadInput):  # its message names the input and what to do
+            error = SystemExit(f"{os.path.basename(sys.argv[0])}: {error}")
+        if isinstance(error, torch.OutOfMemoryError):
+            print(out_of_memory_note(), file=sys.stderr, flush=True)
+        clean = isinstance(error, SystemExit) and error.code in (0, None)
+        if clean and not finished.is_set():
+            # sys.exit() from somewhere the run did not mean to end (user code, a library): not
+            # a finished run, so not status 0 (--print_plan's exit is one: it sets `finished`)
+            frame = traceback.extract_tb(error.__traceback__)[-1]
+            error = SystemExit(
+                f"{os.path.basename(sys.argv[0])}: the run ended by sys.exit({error.code!r}) at "
+                f"{frame.filename}:{frame.lineno} before it finished; the same command with "
+                "--resume_mode auto continues from the last checkpoint"
+            )
+            clean = False
+        if not clean and dist.is_initialized() and dist.get_world_size() > 1:
+            fail(error)  # ends the process
+        reward.close_all()
+        raise error from error.__cause__  # its cause kept: a reward's error points into its file
+    finished.set()
+    reward.close_all()
+    if dist.is_initialized():
+        dist.barrier()
+    # A finished run has written everything (metrics, checkpoints, the export) and closed its
+    # loggers. It ends without the interpreter's teardown, which shuts vLLM's engine down and
+    # collects what it held: 4-6 s per process on CPU, for nothing. An EnginePool's engines exit
+    # when their pipes close.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import memory
+
 
 def flag(default, help, *, gt=None, ge=None, lt=None, le=None, also=(), doc=None):
     """A field of an Args dataclass: the flag's default, its --help text (a line or two; `doc`, a
@@ -543,3 +545,47 @@ def check_batch_args(args, world_size):
         "collectives would run beside the trainer's in another thread, in no fixed order between "
         "ranks",
     )
+
+
+def check_paths(args):
+    """Folders and models that cannot serve, named before anything loads."""
+    problem = folder_problem(args.default_local_dir)
+    need(
+        problem is None,
+        f"--default_local_dir {args.default_local_dir}: {problem}; give a folder for the "
+        "checkpoints and metrics that this user can write",
+    )
+    model = os.path.expanduser(args.model)
+    if os.path.isdir(model):  # a local folder, not a hub id
+        files = set(os.listdir(model))
+        need(
+            "config.json" in files,
+            f"--model {args.model} has no config.json: give a Hugging Face model folder "
+            "(config.json, the weights, the tokenizer's files) or a hub id",
+        )
+        need(
+            bool(files & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"}),
+            f"--model {args.model} has no tokenizer files (tokenizer.json, tokenizer_config.json): "
+            "save the tokenizer beside the model",
+        )
+    config = memory.config_of(args.model)
+    positions = getattr(config, "max_position_embeddings", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    stretched = rope.get("rope_type", "default") != "default"  # YaRN and the like reach further
+    longest = args.max_prompt_length + args.max_response_length
+    need(
+        not positions or longest <= positions or stretched,
+        f"--max_prompt_length + --max_response_length = {longest} tokens, more than --model "
+        f"{args.model} holds ({positions} positions): lower them",
+    )
+
+
+def check_budgets(args, specs):
+    """Every token budget of the run's passes holds the longest sequence."""
+    longest = args.max_prompt_length + args.max_response_length
+    for name in memory.budget_flags(specs):
+        need(
+            not args.use_dynamic_bsz or (getattr(args, name) or longest) >= longest,
+            f"--{name} {getattr(args, name)} must hold the longest sequence, --max_prompt_length + "
+            f"--max_response_length = {longest}",
+        )

@@ -29,7 +29,6 @@ import os
 import random
 import socket
 import sys
-import traceback
 from collections import Counter
 from dataclasses import asdict
 
@@ -41,6 +40,7 @@ from transformers import AutoTokenizer
 
 import checkpoint
 import compile_ahead
+import flags
 import memory
 import models
 import ops
@@ -49,10 +49,9 @@ import sharding
 from batches import batch_metrics, round_metrics, validate
 from cli import given_flags, parse
 from data.dataset import load_rl_dataset
-from ending import StopRequest, Unbroken, fail, finished, watch_peers
-from flags import BadInput, folder_problem, need
+from ending import StopRequest, Unbroken, finished, run_to_end, watch_peers
+from flags import need
 from metrics import (
-    OUT_OF_MEMORY_IN,
     PHASES,
     Logger,
     Timer,
@@ -466,50 +465,6 @@ class Run:
 # --- start and launch -----------------------------------------------------------------------------
 
 
-def check_paths(args):
-    """Folders and models that cannot serve, named before anything loads."""
-    problem = folder_problem(args.default_local_dir)
-    need(
-        problem is None,
-        f"--default_local_dir {args.default_local_dir}: {problem}; give a folder for the "
-        "checkpoints and metrics that this user can write",
-    )
-    model = os.path.expanduser(args.model)
-    if os.path.isdir(model):  # a local folder, not a hub id
-        files = set(os.listdir(model))
-        need(
-            "config.json" in files,
-            f"--model {args.model} has no config.json: give a Hugging Face model folder "
-            "(config.json, the weights, the tokenizer's files) or a hub id",
-        )
-        need(
-            bool(files & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"}),
-            f"--model {args.model} has no tokenizer files (tokenizer.json, tokenizer_config.json): "
-            "save the tokenizer beside the model",
-        )
-    config = memory.config_of(args.model)
-    positions = getattr(config, "max_position_embeddings", None)
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    stretched = rope.get("rope_type", "default") != "default"  # YaRN and the like reach further
-    longest = args.max_prompt_length + args.max_response_length
-    need(
-        not positions or longest <= positions or stretched,
-        f"--max_prompt_length + --max_response_length = {longest} tokens, more than --model "
-        f"{args.model} holds ({positions} positions): lower them",
-    )
-
-
-def check_budgets(args, specs):
-    """Every token budget of the run's passes holds the longest sequence."""
-    longest = args.max_prompt_length + args.max_response_length
-    for name in memory.budget_flags(specs):
-        need(
-            not args.use_dynamic_bsz or (getattr(args, name) or longest) >= longest,
-            f"--{name} {getattr(args, name)} must hold the longest sequence, --max_prompt_length + "
-            f"--max_response_length = {longest}",
-        )
-
-
 def planned_world(args, world):
     """The GPUs a plan is for: --n_gpus_per_node x --nnodes where given (--print_plan plans for
     them without launching them), else the launched processes."""
@@ -528,7 +483,7 @@ def start(args, check_args, declare_models):
     except ValueError as error:  # a mode the script's math does not know, named by it
         need(False, str(error))
     specs = [m for m in declare_models(args) if m is not None]
-    check_budgets(args, specs)
+    flags.check_budgets(args, specs)
     offloaded = [
         getattr(s, switch)
         for s in specs
@@ -575,7 +530,7 @@ def start(args, check_args, declare_models):
         "them (they are for --print_plan), or launch as many (torchrun --nproc_per_node N, "
         "--nnodes M)",
     )
-    check_paths(args)
+    flags.check_paths(args)
     if args.resume_mode == "disable" and checkpoint.list_checkpoints(args.default_local_dir):
         # a fresh run there would interleave its checkpoints with the old ones (and prune its own)
         need(
@@ -666,55 +621,8 @@ def plan_memory(run, world, prompt_len):
     return memory.plan_memory(args, specs, world, run.device, prompt_len, run.given, helper)
 
 
-def out_of_memory_note():
-    """What to do when the GPU ran out of memory, and in which phase (torch's error follows)."""
-    where = " > ".join(OUT_OF_MEMORY_IN) or "start-up or between two phases"
-    return (
-        f"{os.path.basename(sys.argv[0])}: out of GPU memory in {where}. The plan printed at "
-        "start-up gave each phase its share (--print_plan shows it; metrics.jsonl has "
-        "perf/planned_memory_gb/<phase> beside the measured perf/max_memory_allocated_gb/<phase>). "
-        "Where other processes hold part of this GPU, give the run what is left with "
-        "--gpu_memory_gib; else lower --ppo_max_token_len_per_gpu or "
-        "--log_prob_max_token_len_per_gpu, or turn on --use_fused_kernels, "
-        "--enable_gradient_checkpointing, --ref_param_offload or --optimizer_offload (README, "
-        "Troubleshooting)."
-    )
-
-
 def launch(main, Args):
-    """The command line: parse the flags into the script's Args, run `main`, end the process."""
+    """The command line: parse the flags into the script's Args, run `main`, end the process (as
+    ending.run_to_end says, whichever way `main` leaves)."""
     sys.stdout, sys.stderr = Unbroken(sys.stdout), Unbroken(sys.stderr)
-    parsed = parse(Args)
-    try:
-        main(parsed)
-    except BaseException as error:
-        if isinstance(error, BadInput):  # its message names the input and what to do
-            error = SystemExit(f"{os.path.basename(sys.argv[0])}: {error}")
-        if isinstance(error, torch.OutOfMemoryError):
-            print(out_of_memory_note(), file=sys.stderr, flush=True)
-        clean = isinstance(error, SystemExit) and error.code in (0, None)
-        if clean and not finished.is_set():
-            # sys.exit() from somewhere the run did not mean to end (user code, a library): not
-            # a finished run, so not status 0 (--print_plan's exit is one: it sets `finished`)
-            frame = traceback.extract_tb(error.__traceback__)[-1]
-            error = SystemExit(
-                f"{os.path.basename(sys.argv[0])}: the run ended by sys.exit({error.code!r}) at "
-                f"{frame.filename}:{frame.lineno} before it finished; the same command with "
-                "--resume_mode auto continues from the last checkpoint"
-            )
-            clean = False
-        if not clean and dist.is_initialized() and dist.get_world_size() > 1:
-            fail(error)  # ends the process
-        reward.close_all()
-        raise error from error.__cause__  # its cause kept: a reward's error points into its file
-    finished.set()
-    reward.close_all()
-    if dist.is_initialized():
-        dist.barrier()
-    # A finished run has written everything (metrics, checkpoints, the export) and closed its
-    # loggers. It ends without the interpreter's teardown, which shuts vLLM's engine down and
-    # collects what it held: 4-6 s per process on CPU, for nothing. An EnginePool's engines exit
-    # when their pipes close.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_to_end(main, parse(Args))

@@ -386,7 +386,6 @@ def test_out_of_memory_names_its_phase_and_what_to_do(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # launch wraps them; put back afterwards
     monkeypatch.setattr(sys, "stderr", sys.stderr)
     monkeypatch.setattr(metrics, "OUT_OF_MEMORY_IN", [])
-    monkeypatch.setattr(run, "OUT_OF_MEMORY_IN", metrics.OUT_OF_MEMORY_IN)
     cpu = torch.device("cpu")
 
     def main(args):
