@@ -324,7 +324,12 @@ def verl_flags(Args, argv):
             print(f"{script}: verl's {key}={value}: {why}: left out", file=sys.stderr)
             continue
         if key not in keys:
-            near = difflib.get_close_matches(key, list(keys), n=2, cutoff=0.75)
+            near = [  # whole keys alike, and their last parts too (not model.path for model.x)
+                k
+                for k in difflib.get_close_matches(key, list(keys), n=5, cutoff=0.75)
+                if difflib.SequenceMatcher(None, key.split(".")[-1], k.split(".")[-1]).ratio()
+                >= 0.6
+            ][:2]
             hint = f" (did you mean {' or '.join(near)}?)" if near else ""
             unknown.append(f"verl's {key}: {VERL_ELSEWHERE.get(key, 'no counterpart here')}{hint}")
             continue

@@ -5,6 +5,7 @@ process's exit status says whether the run finished (`run_to_end`).
 
 import contextlib
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -247,14 +248,26 @@ def fail(error):
         else:
             text = "".join(traceback.format_exception(error))
             print(f"[rank {rank}] {text}", file=sys.stderr, end="")
-        with contextlib.suppress(Exception):
-            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-            ErrorHandler().record_exception(error)
+        record_for_torchrun(error, stack=not isinstance(error, SystemExit))
     sys.stdout.flush()
     sys.stderr.flush()
     reward.close_all()
     os._exit(1)
+
+
+def record_for_torchrun(error, stack=True):
+    """Under torchrun, `error` as this process's failure in torchrun's summary ("Root Cause"),
+    which would otherwise say only `error_file: <N/A>`: the error file torchrun reads (its
+    ErrorHandler's format), with the traceback, or (`stack` false, for a refused input whose
+    message says it all) the message alone."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    text = "".join(traceback.format_exception(error)) if stack else f"{error}\n"
+    record = {"message": f"{type(error).__name__}: {error}"}
+    record["extraInfo"] = {"py_callstack": text, "timestamp": str(int(time.time()))}
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump({"message": record}, f)
 
 
 def out_of_memory_note():
@@ -298,6 +311,8 @@ def run_to_end(main, args):
             clean = False
         if not clean and dist.is_initialized() and dist.get_world_size() > 1:
             fail(error)  # ends the process
+        if not clean:
+            record_for_torchrun(error, stack=not isinstance(error, SystemExit))
         reward.close_all()
         raise error from error.__cause__  # its cause kept: a reward's error points into its file
     finished.set()

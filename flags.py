@@ -45,9 +45,12 @@ BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, ">="), "lt": (operator.l
           "le": (operator.le, "<=")}  # fmt: skip
 
 
-def check_ranges(args):
-    """Every numeric flag within its range (`flag`'s bounds), naming the flag and the range."""
+def check_ranges(args, names=None):
+    """Every numeric flag (or those `names`) within its range (`flag`'s bounds), naming the flag
+    and the range."""
     for f in fields(args):
+        if names is not None and f.name not in names:
+            continue
         value = getattr(args, f.name)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue  # a switch, a string, or a number left unset (None)
@@ -478,6 +481,7 @@ def check_args(args, world_size):
             f"--logger {kind} needs the {module} package: pip install {module}",
         )
     B, mini = args.train_batch_size, args.ppo_mini_batch_size
+    check_ranges(args, ("train_batch_size", "ppo_mini_batch_size", "rollout_n"))  # compared next
     need(mini <= B, f"--ppo_mini_batch_size {mini} must not exceed --train_batch_size {B}")
     need(
         mini * args.rollout_n % world_size == 0,

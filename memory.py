@@ -589,10 +589,11 @@ def plan_first_step(args, given, replan, budgets, helper, result):
         return
     args.warm_compile_caches = False
     peak = max(p for p, _ in first.phases.values())
+    left = f"only {first.usable / GiB:.1f} GiB are" if first.usable > 0 else "nothing is"
     result.notes.append(
         f"left out the compiling helper (--warm_compile_caches false): the first step, eager, "
-        f"needs up to {peak / GiB:.1f} GiB, and only {first.usable / GiB:.1f} GiB are left beside "
-        f"the helper's {helper / GiB:.1f} GiB; the first step compiles its passes"
+        f"needs up to {peak / GiB:.1f} GiB, and {left} left beside the helper's "
+        f"{helper / GiB:.1f} GiB; the first step compiles its passes"
     )
 
 

@@ -78,6 +78,26 @@ class Timer:
         self.inner_done = True
 
 
+def check_logins(args):
+    """A logger that needs an account has one before anything loads, not at the first step's log
+    line: wandb's own check of its key (WANDB_API_KEY, `wandb login`'s; no network), unless it
+    logs offline (WANDB_MODE=offline or disabled)."""
+    offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled")
+    if offline or "wandb" not in {k.strip() for k in args.logger.strip("[]").split(",")}:
+        return
+    import wandb
+
+    try:
+        wandb.login(verify=False)
+    except Exception as error:  # wandb's UsageError, AuthenticationError
+        need(
+            False,
+            f"--logger wandb: {error} Log in (wandb login, or WANDB_API_KEY=...), or keep the "
+            "run's wandb files on this machine with WANDB_MODE=offline (wandb sync sends them "
+            "later)",
+        )
+
+
 class Logger:
     """Rank 0 only: console line per step (verl's format), jsonl, wandb, tensorboard."""
 

@@ -103,7 +103,7 @@ def check_source(path, flag="--model"):
     cached = huggingface_hub.try_to_load_from_cache(path, "config.json")
     ways = (
         f"give a local folder ({flag} /path/to/model), or download it where there is a network "
-        f"(huggingface-cli download {path}), copy the hub's cache ({constants.HF_HUB_CACHE}) here "
+        f"(hf download {path}), copy the hub's cache ({constants.HF_HUB_CACHE}) here "
         "and set HF_HUB_OFFLINE=1"
     )
     if constants.HF_HUB_OFFLINE:
@@ -114,6 +114,18 @@ def check_source(path, flag="--model"):
         )
         return
     if reachable(constants.ENDPOINT):
+        if not isinstance(cached, str):  # the hub answers: does it have the model for us?
+            try:
+                huggingface_hub.hf_hub_download(path, "config.json", etag_timeout=10)
+            except Exception as error:  # not found, private, gated, or the hub failing
+                why = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                flags.need(
+                    False,
+                    f"{flag} {path}: the hub ({constants.ENDPOINT}) did not give its config.json "
+                    f"({type(error).__name__}: {why}). Check the name; for a private or gated "
+                    "model, accept its terms on the hub and log in (hf auth login, or "
+                    f"HF_TOKEN=...); or {ways}",
+                )
         return
     flags.need(
         isinstance(cached, str),

@@ -29,6 +29,7 @@ import os
 import random
 import socket
 import sys
+import time
 from collections import Counter
 from dataclasses import asdict
 
@@ -49,12 +50,13 @@ import sharding
 from batches import batch_metrics, round_metrics, validate
 from cli import given_flags, parse
 from data.dataset import load_rl_dataset
-from ending import StopRequest, Unbroken, finished, run_to_end, watch_peers
+from ending import StopRequest, Unbroken, finished, record_for_torchrun, run_to_end, watch_peers
 from flags import need
 from metrics import (
     PHASES,
     Logger,
     Timer,
+    check_logins,
     measure_peak_flops,
     phase_perf,
     repair_metrics,
@@ -491,7 +493,7 @@ def start(args, check_args, declare_models):
         if s.on(args, switch)
     ]
     need(
-        device.type == "cuda" or not offloaded,
+        device.type == "cuda" or not offloaded or args.print_plan,  # a plan for a GPU elsewhere
         f"--{offloaded[0] if offloaded else ''} keeps a model's state on the CPU between its "
         "passes on the GPU; with no GPU there is nothing to offload: drop it",
     )
@@ -531,6 +533,8 @@ def start(args, check_args, declare_models):
         "--nnodes M)",
     )
     flags.check_paths(args)
+    if rank == 0:
+        check_logins(args)
     if args.resume_mode == "disable" and checkpoint.list_checkpoints(args.default_local_dir):
         # a fresh run there would interleave its checkpoints with the old ones (and prune its own)
         need(
@@ -625,4 +629,13 @@ def launch(main, Args):
     """The command line: parse the flags into the script's Args, run `main`, end the process (as
     ending.run_to_end says, whichever way `main` leaves)."""
     sys.stdout, sys.stderr = Unbroken(sys.stdout), Unbroken(sys.stderr)
-    run_to_end(main, parse(Args))
+    try:
+        args = parse(Args)
+    except SystemExit as error:  # a flag error, the same on every rank: printed by rank 0
+        if error.code not in (0, None):
+            record_for_torchrun(error, stack=False)  # torchrun's summary of each rank says it
+            if int(os.environ.get("RANK", "0")) != 0:  # after rank 0, torchrun's root cause
+                time.sleep(2 if "TORCHELASTIC_RUN_ID" in os.environ else 0)
+                raise SystemExit(1) from None
+        raise
+    run_to_end(main, args)

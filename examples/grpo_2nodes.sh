@@ -4,6 +4,7 @@
 # (--default_local_dir on a shared file system); --resume_mode auto (the default) resumes from it.
 set -euo pipefail
 ROOT=$(dirname "$0")/..  # the train scripts
+[ -x "$ROOT/.venv/bin/torchrun" ] && : "${TORCHRUN:=$ROOT/.venv/bin/torchrun}"  # make install's, else PATH's
 MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
 DATA=${DATA:-$HOME/data/gsm8k}
 exec ${TORCHRUN:-torchrun} --nnodes=2 --nproc_per_node=${NPROC:-8} --rdzv_backend=c10d \

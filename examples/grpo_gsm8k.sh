@@ -5,6 +5,7 @@
 # script's name: bash examples/grpo_gsm8k.sh --seed 2 --total_training_steps 26
 set -euo pipefail
 ROOT=$(dirname "$0")/..  # the train scripts
+[ -x "$ROOT/.venv/bin/torchrun" ] && : "${TORCHRUN:=$ROOT/.venv/bin/torchrun}"  # make install's, else PATH's
 MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
 DATA=${DATA:-$HOME/data/gsm8k}  # python data/gsm8k.py --local_save_dir $DATA
 exec ${TORCHRUN:-torchrun} --nproc_per_node=${NPROC:-1} "$ROOT/train_grpo.py" --model "$MODEL" \

@@ -4,6 +4,7 @@
 # planner picks the micro-batches (`--print_plan --gpu_memory_gib 80` shows them).
 set -euo pipefail
 ROOT=$(dirname "$0")/..  # the train scripts
+[ -x "$ROOT/.venv/bin/torchrun" ] && : "${TORCHRUN:=$ROOT/.venv/bin/torchrun}"  # make install's, else PATH's
 MODEL=${MODEL:-Qwen/Qwen3-1.7B}
 DATA=${DATA:-$HOME/data/gsm8k}
 exec ${TORCHRUN:-torchrun} --nproc_per_node=${NPROC:-1} "$ROOT/train_grpo.py" --model "$MODEL" \

@@ -4,6 +4,7 @@
 # the README's Results (the PPO row).
 set -euo pipefail
 ROOT=$(dirname "$0")/..  # the train scripts
+[ -x "$ROOT/.venv/bin/torchrun" ] && : "${TORCHRUN:=$ROOT/.venv/bin/torchrun}"  # make install's, else PATH's
 MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
 DATA=${DATA:-$HOME/data/gsm8k}
 exec ${TORCHRUN:-torchrun} --nproc_per_node=${NPROC:-1} "$ROOT/train_ppo.py" --model "$MODEL" \

@@ -56,6 +56,7 @@ def test_a_flag_error_is_one_line_naming_the_closest_flags():
     for argv, message in [
         (["--custom_reward_function_name", "f"], "needs --custom_reward_function_path"),
         (["--resume_mode", str(ROOT)], f"--resume_mode {ROOT} is not a checkpoint"),
+        (["--train_batch_size", "0"], "--train_batch_size 0 must be >= 1"),  # its own range first
     ]:
         with pytest.raises(SystemExit, match=message):
             train_grpo.check_args(cli.parse(train_grpo.Args, argv), 1)
@@ -65,6 +66,15 @@ def test_a_flag_error_is_one_line_naming_the_closest_flags():
                              capture_output=True, text=True, timeout=120)  # fmt: skip
         assert out.returncode != 0 and message in out.stderr
         assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    # under torchrun: said once, not by every rank, and torchrun's summary names it for each rank
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          "train_grpo.py", "--modle", "x"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    said = "train_grpo.py: unknown flag --modle; did you mean --model?"
+    lines = out.stderr.splitlines()
+    assert out.returncode != 0 and sum(line.startswith(said) for line in lines) == 1, out.stderr
+    root_cause = out.stderr[out.stderr.index("Root Cause") :]
+    assert f"traceback : {said}" in root_cause, out.stderr[-3000:]
 
 
 # verl's GRPO tutorial for Qwen3-1.7B (its command line, as the tutorial gives it)
@@ -115,7 +125,10 @@ def test_verls_command_line_is_taken_through_the_flags_table(monkeypatch, capsys
         cli.parse(train_grpo.Args, ["trainer.foo=3", "actor_rollout_ref.actor.optim.lrr=3"])
     both = "verl's trainer.foo: no counterpart here; verl's actor_rollout_ref.actor.optim.lrr: "
     assert both in str(e.value), e.value
-    assert "(did you mean actor_rollout_ref.actor.optim.lr or " in str(e.value)
+    assert "(did you mean actor_rollout_ref.actor.optim.lr?)" in str(e.value)
+    with pytest.raises(SystemExit) as e:  # a key of another kind is not "near" by its section
+        cli.parse(train_grpo.Args, ["actor_rollout_ref.model.lora_rank=64"])
+    assert "lora_rank: no counterpart here (docs/flags.md" in str(e.value), e.value
     # a choice with one answer here: left out when it asks for that, refused when not
     args = cli.parse(
         train_grpo.Args,
@@ -158,6 +171,46 @@ def test_a_hub_model_that_cannot_be_had_fails_in_seconds_naming_the_ways_out(tmp
         assert out.returncode == 1 and message in out.stderr, out.stderr[-2000:]
         assert "give a local folder (--model /path/to/model)" in out.stderr
         assert "Traceback" not in out.stderr and time.monotonic() - start < 30
+
+
+def test_a_hub_model_the_hub_does_not_give_fails_in_seconds_naming_it(tmp_path):
+    """The hub answers, but not with the model (a mirror without it, a private or gated one, a
+    misspelled name): a line naming --model, the hub's answer and what to do, not the loaders'
+    chained tracebacks after the planner has planned it from its table of known shapes."""
+    import http.server
+    import os
+    import threading
+    import time
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def answer(self):
+            self.send_response(404)
+            self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_HEAD = answer
+
+        def log_message(self, *args):
+            pass
+
+    hub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=hub.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{hub.server_address[1]}"
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": endpoint}
+    env.pop("HF_HUB_OFFLINE", None)
+    start = time.monotonic()
+    try:
+        argv = [sys.executable, "train_grpo.py", "--model", "Qwen/Qwen2.5-0.5B-Instruct"]
+        out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        hub.shutdown()
+    message = (
+        f"--model Qwen/Qwen2.5-0.5B-Instruct: the hub ({endpoint}) did not give its config.json"
+    )
+    assert out.returncode == 1 and message in out.stderr, out.stderr[-2000:]
+    assert "Check the name; for a private or gated model" in out.stderr
+    assert "Traceback" not in out.stderr and time.monotonic() - start < 30
 
 
 def test_a_runs_folder_is_named_after_its_model_and_data():

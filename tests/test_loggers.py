@@ -85,3 +85,24 @@ def test_every_logger_writes_the_metrics_it_is_given(run):
             if key != "step":
                 assert close(logged[key], value), key
     assert "val-core/openai/gsm8k/reward/mean@1" in history[2]
+
+
+def test_wandb_without_a_login_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    """No key in the environment or in a netrc, and not offline: refused at start-up, naming the
+    ways out (the run would otherwise end at its first log line, after the models and the engine
+    had loaded); offline it passes."""
+    from types import SimpleNamespace
+
+    import metrics
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("sys.stdin", open("/dev/null"))  # no terminal to ask at
+    args = SimpleNamespace(logger="[console,wandb]")
+    with pytest.raises(SystemExit, match="--logger wandb: .*WANDB_MODE=offline"):
+        metrics.check_logins(args)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    metrics.check_logins(args)
+    metrics.check_logins(SimpleNamespace(logger="console,jsonl"))  # no account needed

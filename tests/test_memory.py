@@ -414,6 +414,10 @@ def test_print_plan_offline_by_hub_name_for_gpus_not_launched_and_its_exit_statu
     out = print_plan(["train_grpo.py", *eight, "--tensor_model_parallel_size", "2"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "memory plan for 8 GPUs of 80.0 GiB" in out.stdout
+    # an offload switch, which a run on this CPU refuses, is planned for the GPU named
+    offload = ["--ref_param_offload", "--optimizer_offload"]
+    out = print_plan(["train_grpo.py", *eight, *offload], tmp_path)
+    assert out.returncode == 0 and "memory plan for 8 GPUs" in out.stdout, out.stderr[-3000:]
     big = ["--model", "Qwen/Qwen2.5-7B-Instruct", "--gpu_memory_gib", "24"]
     out = print_plan(["train_ppo.py", *big], tmp_path)
     assert out.returncode == 1 and "to fit, try: " in out.stdout, out.stderr[-3000:]
