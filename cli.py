@@ -10,6 +10,7 @@ import inspect
 import os
 import re
 import sys
+import textwrap
 from dataclasses import fields
 
 from transformers import HfArgumentParser
@@ -145,6 +146,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def __init__(self, prog):
         super().__init__(prog, max_help_position=38, width=100)
+
+    def _split_lines(self, text, width):  # `seq-mean-token-sum` kept whole
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
     def _format_action_invocation(self, action):
         if not action.option_strings:

@@ -106,8 +106,7 @@ class RunArgs:
     )
     engines_per_gpu: int = flag(
         1,
-        "vLLM engines per GPU, each in a process of its own decoding a share of the sequences (a "
-        "small model's generation is bound by vLLM's host work)",
+        "vLLM engines per GPU, each in a process of its own with a share of the sequences",
         doc=(
             "vLLM engines per GPU, each in a process of its own decoding a share of the "
             "sequences: a small model's generation is bound by vLLM's host work, which K "
@@ -117,8 +116,7 @@ class RunArgs:
     )
     rollout_compile: bool = flag(
         False,
-        "run vLLM's model through torch.compile (vLLM's default); off: CUDA graphs of its "
-        "uncompiled forward, ready sooner",
+        "torch.compile vLLM's model (vLLM's default); off: CUDA graphs only, ready sooner",
         doc=(
             "run vLLM's model through torch.compile (vLLM's default); off: CUDA graphs of vLLM's "
             "uncompiled forward for every decoding batch, which on an H200 was ready 31 s sooner "
@@ -135,8 +133,8 @@ class RunArgs:
     log_prob_micro_batch_size_per_gpu: int = flag(8, "sequences per log-prob forward", ge=1)
     use_dynamic_bsz: bool | None = flag(
         None,
-        "micro-batches by token budget (*_max_token_len_per_gpu) instead of sequence count; "
-        "default: on a GPU, unless a *_micro_batch_size_per_gpu flag is given",
+        "micro-batches by token budget; default: on a GPU, unless a *_micro_batch_size_per_gpu "
+        "is given",
         doc=(
             "micro-batches by token budget (the *_max_token_len_per_gpu flags) instead of "
             "sequence count; default: on a GPU unless a *_micro_batch_size_per_gpu flag is given"
@@ -150,14 +148,16 @@ class RunArgs:
     )
     print_plan: bool = flag(
         False,
-        "print the memory plan (each phase's predicted peak, where it goes, the budgets) and exit: "
-        "0 when the run fits, 1 when it does not",
+        "print the memory plan and exit: 0 when the run fits, 1 when it does not",
+        doc="print the memory plan (each phase's predicted peak, where it goes, the budgets) and "
+        "exit: 0 when the run fits, 1 when it does not",
     )
     gpu_memory_gib: float | None = flag(
         None,
-        "plan for a GPU of this many GiB and, on a larger one, run as on it (torch's allocations "
-        "and the engine's share capped to it)",
+        "plan for a GPU of this many GiB and, on a larger one, run as on it",
         gt=0,
+        doc="plan for a GPU of this many GiB and, on a larger one, run as on it (torch's "
+        "allocations and the engine's share capped to it)",
     )
     n_gpus_per_node: int | None = flag(
         None,
@@ -176,16 +176,16 @@ class RunArgs:
     )
     lr_decay_steps_ratio: float = flag(
         1.0,
-        "cosine: decay over this last fraction of all steps and hold the rate before it "
-        "(warmup-stable-decay); 1: decay from the end of warmup (verl's cosine)",
+        "cosine: decay over this last fraction of the steps (warmup-stable-decay)",
         gt=0,
         le=1,
+        doc="cosine: decay over this last fraction of all steps and hold the rate before it "
+        "(warmup-stable-decay); 1: decay from the end of warmup (verl's cosine)",
     )
     # the engine's sampling distribution against the trainer's
     rollout_is: str | None = flag(
         None,
-        "token | sequence: weight each token's loss by pi_old / pi_rollout, truncated at "
-        "--rollout_is_threshold (truncated importance sampling)",
+        "token | sequence: truncated importance weights pi_old / pi_rollout on the loss",
         doc=(
             "token | sequence: weight each token's loss by pi_old / pi_rollout, the trainer's "
             "over the engine's probability of the sampled tokens, truncated at "
@@ -234,15 +234,15 @@ class RunArgs:
     )
     skip_explore_prob: float = flag(
         0.5,
-        "skip_all_equal: a prompt whose last z groups in a row scored all-equal is generated "
-        "anyway with probability P**z",
+        "skip_all_equal: a prompt all-equal z times in a row is generated with probability P**z",
         gt=0,
         le=1,
+        doc="skip_all_equal: a prompt whose last z groups in a row scored all-equal is generated "
+        "anyway with probability P**z",
     )
     one_step_off_policy: bool = flag(
         False,
-        "generate the next step's batch in a second thread while this step trains (one-step "
-        "off-policy); the engine stays awake, so give it less memory",
+        "generate the next step's batch while this one trains; give the engine less memory",
         doc=(
             "generate the next step's batch in a second thread while this step trains, with the "
             "weights from before this step's update (one-step off-policy, as verl's recipe of "
@@ -261,7 +261,8 @@ class RunArgs:
     # speed
     use_torch_compile: bool | None = flag(
         None,
-        "torch.compile the log-prob and entropy math over the vocabulary, in every pass, its "
+        "torch.compile the log-prob math over the vocabulary (default: on GPU)",
+        doc="torch.compile the log-prob and entropy math over the vocabulary, in every pass, its "
         "gradient written by hand (default: on GPU)",
     )
     compile_layers: bool | None = flag(
@@ -279,8 +280,7 @@ class RunArgs:
     )
     compile_update: bool | None = flag(
         None,
-        "compile the decoder layers in the updates too (forward and backward): pays with large "
-        "micro-batches; default: on with token budgets on a GPU",
+        "compile the decoder layers in the updates too; default: on a GPU with token budgets",
         doc=(
             "compile the decoder layers in the updates (the actor's, and PPO's critic's; forward "
             "and backward) too, where --compile_layers compiles (--use_torch_compile already "
@@ -292,8 +292,7 @@ class RunArgs:
     )
     warm_compile_caches: bool | None = flag(
         None,
-        "a helper process compiles the step's passes while the models load, the first step "
-        "running eager; default: on a GPU with the in-process engine",
+        "a helper process compiles the passes while step 1 runs eager; default: on a GPU",
         doc=(
             "with the in-process engine: a helper process compiles the step's passes on one-layer "
             "copies of the models while the models load, the engine starts and the first step "
@@ -317,9 +316,10 @@ class RunArgs:
     )
     reward_timeout: float | None = flag(
         None,
-        "seconds a reward call may take before it fails as a reward error; calls then run "
-        "in worker processes (at least one, --reward_workers)",
+        "seconds a reward call may take before it is a reward error (in worker processes)",
         gt=0,
+        doc="seconds a reward call may take before it fails as a reward error; calls then run "
+        "in worker processes (at least one, --reward_workers)",
     )
     # steps, validation, checkpoints, stopping and logging
     total_epochs: int = flag(15, "passes over the training prompts", ge=1)
@@ -343,8 +343,7 @@ class RunArgs:
     )
     stop_grace_s: float = flag(
         25.0,
-        "after a SIGTERM, the seconds the step in progress has to reach its checkpoint; past "
-        "them the run ends, naming the phase it is in",
+        "seconds after a SIGTERM for the step in progress to reach its checkpoint",
         doc=(
             "after a SIGTERM, the seconds the step in progress has to reach its checkpoint; past "
             "them the run ends at once, naming the phase it is in (torchrun and Slurm kill 30 s "

@@ -69,7 +69,7 @@ class Args(flags.RunArgs):
     critic_weight_decay: float = flag(0.01, "critic AdamW weight decay", ge=0)
     critic_warmup: int = flag(0, "the first N steps update only the critic (verl's: N+1)", ge=0)
     critic_ppo_micro_batch_size_per_gpu: int = flag(4, "sequences per critic forward", ge=1)
-    critic_ppo_max_token_len_per_gpu: int | None = flag(None, "critic's; as the actor's", ge=1)
+    critic_ppo_max_token_len_per_gpu: int | None = flag(None, "critic's token budget", ge=1)
     critic_grad_clip: float = flag(1.0, "critic's max global gradient norm", gt=0)
     cliprange_value: float = flag(0.5, "new values kept within old +- this", gt=0)
     vf_coef: float = flag(1.0, "scales the critic's loss (acts via --critic_grad_clip)", gt=0)
@@ -80,7 +80,9 @@ class Args(flags.RunArgs):
     max_response_length: int = flags.default("max_response_length", 512)
     save_freq: int = flags.default("save_freq", 10)
     project_name: str = flags.default("project_name", "ppo_gsm8k")
-    warm_compile_caches: bool = flag(False, "off: PPO's step 1 ends before the helper compiles")
+    warm_compile_caches: bool = flag(
+        False, "a helper compiles beside step 1: off, PPO's ends first"
+    )
 
     # verl's key for each flag above (docs/flags.md; a verl command line is taken: cli.py), and
     # verl's keys with no flag here: the values that ask for what this script does (None: any)

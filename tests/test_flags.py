@@ -3,6 +3,7 @@ line naming the closest flags; verl's dotted keys taken through the table docs/f
 from, and the keys with no counterpart named."""
 
 import dataclasses
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,10 @@ def test_help_renders_each_flag_once_in_its_section(script, monkeypatch):
         assert len(shown) == 1, f.name  # once, and without its --dashed-alias or --no_ twin
         help = cli.help_text(f)
         assert len(help) <= 170, (f.name, help)  # a line or two; docs/flags.md has the rest
+        at = lines.index(shown[0])
+        more = list(itertools.takewhile(lambda line: line.startswith(" " * 38), lines[at + 1 :]))
+        rows = 1 + len(more) - (shown[0] == f"  --{f.name}")  # a long name puts help below it
+        assert rows <= 2, (f.name, lines[at : at + 4])  # as --help shows it, at 100 columns
         assert help.count("default") <= 1 or "default:" not in help.split("(default:")[0], help
     assert "no_use_kl_loss" not in text and "--train-files" not in text
 
