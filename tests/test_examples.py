@@ -107,11 +107,14 @@ def test_two_nodes_train_checkpoint_and_resume_with_more_processes(tmp_path):
 
 def test_the_cpu_quick_start_trains_on_its_own_data_and_reward(tmp_path):
     """examples/quickstart_cpu.sh as a new user runs it: a tiny model written, their parquet and
-    reward, two steps with the real CPU engine, validated, exported; no NaN metric for a data set
-    that is not GSM8K, and none of vLLM's harmless reload warnings. The engine's KV cache is what a
+    reward, two steps with the real CPU engine, validated, exported, with a gradient from the first
+    step; no NaN metric for a data set that is not GSM8K, and none of vLLM's harmless reload
+    warnings. The engine's KV cache is what a
     round generates (memory.cpu_kv_cache_bytes), not a share of the machine's memory."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-    env.update(OUT=str(tmp_path), PY=sys.executable)
+    env.update(
+        OUT=str(tmp_path), PY=sys.executable, VLLM_LOGGING_LEVEL="INFO"
+    )  # its KV cache's line
     out = subprocess.run(
         ["bash", "examples/quickstart_cpu.sh", "--total_training_steps", "2"],
         cwd=ROOT,
@@ -125,6 +128,8 @@ def test_the_cpu_quick_start_trains_on_its_own_data_and_reward(tmp_path):
     rows = metrics_by_step(tmp_path / "run")
     assert sorted(rows) == [1, 2] and "val-core/my/backwards/reward/mean@1" in rows[2]
     assert "critic/score/brevity/mean" in rows[1] and "critic/score_flexible/mean" not in rows[1]
+    # the reward's partial credit tells a random model's responses apart: the update has a gradient
+    assert all(rows[s]["critic/score/max"] > 0 and rows[s]["actor/grad_norm"] > 0 for s in (1, 2))
     assert (tmp_path / "run" / "hf_model" / "config.json").exists()
     assert "Failed to load weights" not in output and "nan" not in output.split("done:")[0][-3000:]
     assert "Explicitly set (" in output and "Auto set" not in output, output[-6000:]
