@@ -497,15 +497,30 @@ def check_args(args, world_size):
     )
 
 
+# folder names that say what a folder holds, not which one it is: a run's name skips them
+GENERIC = {"model", "models", "hf_model", "actor", "policy", "final", "checkpoint", "weights",
+           "data", "dataset", "datasets", "parquet"}  # fmt: skip
+
+
 def run_name(model, train_files):
     """A run's default name, after its model and its data: `Qwen/Qwen2.5-0.5B-Instruct` on
     `~/data/gsm8k/train.parquet` -> qwen2.5-0.5b-instruct_gsm8k (a file's folder names the data
-    set, as verl's preprocessing writes it; a file alone in a generic folder, its own name)."""
-    model = os.path.basename(os.path.normpath(os.path.expanduser(model))).lower()
+    set, as verl's preprocessing writes it; a file alone in a generic folder, its own name). A
+    generic folder name (`GENERIC`: a run's hf_model, a quick start's model and data) gives way to
+    the folder above it: /runs/a/hf_model on /work/mine/data/train.parquet -> a_mine."""
+
+    def named(path):
+        path = Path(os.path.abspath(os.path.expanduser(path)))
+        while path.name.lower() in GENERIC and path.parent != path:
+            path = path.parent
+        return path.name or "run"
+
     first = os.path.expanduser(train_files.split(",")[0])
-    folder, stem = os.path.basename(os.path.dirname(os.path.abspath(first))), Path(first).stem
-    data = stem if stem not in ("train", "training") else folder
-    return f"{model}_{data}".replace(" ", "_")
+    stem = Path(first).stem
+    data = stem if stem not in ("train", "training") else named(os.path.dirname(first))
+    hub_id = not os.path.exists(os.path.expanduser(model))
+    model = os.path.basename(os.path.normpath(model)) if hub_id else named(model)
+    return f"{model.lower()}_{data}".replace(" ", "_")
 
 
 def check_batch_args(args, world_size):

@@ -353,6 +353,8 @@ class Run:
         metrics = self.validate()
         self.logger.log(metrics, self.step)
         self.logger.close()
+        if self.rank == 0:
+            print(f"validation of {self.args.model}: {self.logger.path}", flush=True)
         return metrics
 
     def end_step(self, step, metrics, timer, batch, old_log_probs, source, trainer_state=None):

@@ -218,8 +218,15 @@ def test_a_hub_model_the_hub_does_not_give_fails_in_seconds_naming_it(tmp_path):
     assert "Traceback" not in out.stderr and time.monotonic() - start < 30
 
 
-def test_a_runs_folder_is_named_after_its_model_and_data():
+def test_a_runs_folder_is_named_after_its_model_and_data(tmp_path):
     assert flags.run_name("Qwen/Qwen2.5-0.5B-Instruct", "~/data/gsm8k/train.parquet") == (
         "qwen2.5-0.5b-instruct_gsm8k"
     )
     assert flags.run_name("/models/tiny/", "/d/prompts.parquet,/d/more.parquet") == "tiny_prompts"
+    # a folder named for what it holds gives way to the one above: a run's export, a quick start's
+    for folder in ("runs/a/hf_model", "quick/model", "quick/data", "mine/data"):
+        (tmp_path / folder).mkdir(parents=True)
+    export, train = tmp_path / "runs/a/hf_model", tmp_path / "mine/data/train.parquet"
+    assert flags.run_name(str(export), str(train)) == "a_mine"
+    quick = tmp_path / "quick"
+    assert flags.run_name(str(quick / "model"), str(quick / "data/train.parquet")) == "quick_quick"

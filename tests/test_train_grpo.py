@@ -287,6 +287,7 @@ def val_only_metrics(assets, checkpoint, out_dir):
         nproc=0,
     )
     assert proc.returncode == 0, proc.output[-6000:]
+    assert f": {out_dir / 'val_only.jsonl'}" in proc.output  # where its rows went, said
     return metrics_by_step(out_dir, "val_only.jsonl")[int(Path(checkpoint).name.rsplit("_", 1)[1])]
 
 
