@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 import flags
 import ops
-from sharding import apply_fsdp2
+from sharding import apply_fsdp2, rank
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,20 @@ def few_layers(config, layers):
     return config
 
 
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' warnings held back (its load report of a value model's head, which it
+    initialises afresh: "MISSING ... Consider training on your downstream task")."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def load(spec, device, args, trainable=None, layers=None):
     """`spec`'s model with fp32 masters, sharded with FSDP2 (bf16 compute on a GPU); `trainable`
     (default: `spec.trained`) false loads it frozen. A policy is a causal LM; a value model is
@@ -172,7 +186,12 @@ def load(spec, device, args, trainable=None, layers=None):
             )
         else:
             config, cls = AutoConfig.from_pretrained(spec.path), AutoModelForCausalLM
-        if layers is None:
+        if layers is None and spec.value:  # transformers' report of the new head, said in a line
+            with quiet_transformers():
+                model = cls.from_pretrained(spec.path, config=config, **kw)
+            if rank() == 0:
+                print(f"the {spec.role}: {spec.path}'s body, a new value head", flush=True)
+        elif layers is None:
             model = cls.from_pretrained(spec.path, config=config, **kw)
         else:
             model = cls.from_config(few_layers(config, layers), **kw)

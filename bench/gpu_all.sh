@@ -133,12 +133,14 @@ for part in "${parts[@]}"; do
                  $PY bench/plan_table.py $OUT/$part.jsonl" ;;
     # the README's command, data paths only, as on a GPU of G GiB (--gpu_memory_gib G; none: the GPU's
     # own size): 3 steps, validated and checkpointed at the last, then exported; the GPU memory all its
-    # processes held, by NVML, beside the plan's phases against their measured peaks
+    # processes held, by NVML, beside the plan's phases against their measured peaks. GIB_FLAGS, GIB_ENV:
+    # more flags, and VAR=value settings, for a variant (e.g. GIB_FLAGS="--use_fused_kernels true",
+    # GIB_ENV=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True where a phase ran out in pieces)
     gib_*|gib_ppo_*) g=${part##*_}; script=train_grpo.py; [[ $part = gib_ppo_* ]] && script=train_ppo.py
             cap=""; [ "$g" != none ] && cap="--gpu_memory_gib $g"
             cmd="rm -rf $RUNS/$part; $PY bench/nvml_peak.py --out $OUT/$part.nvml.json & s=\$!; \
-                 $PY -m torch.distributed.run --nproc_per_node=1 $script --model $MODEL $data $cap \
-                 --total_training_steps 3 --test_freq 3 --save_freq 3 --default_local_dir $RUNS/$part; r=\$?; \
+                 env ${GIB_ENV:-} $PY -m torch.distributed.run --nproc_per_node=1 $script --model $MODEL $data $cap \
+                 --total_training_steps 3 --test_freq 3 --save_freq 3 --default_local_dir $RUNS/$part ${GIB_FLAGS:-}; r=\$?; \
                  kill -INT \$s; wait \$s; cp $RUNS/$part/metrics.jsonl $OUT/$part.jsonl && \
                  $PY bench/phase_table.py $OUT/$part.jsonl $plain && \
                  $PY bench/plan_table.py $OUT/$part.jsonl $OUT/$part.nvml.json; test \$r = 0" ;;
