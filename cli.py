@@ -1,7 +1,7 @@
 """The command line of a train script: --help in the sections of its flags, each default once; a
 flag error in a line naming the closest flags; verl's dotted keys (`section.key=value`) read as the
-flags they map to, through the tables docs/flags.md is written from: `VERL` here for the flags
-every script shares, and a script's own `Args.VERL` for its algorithm's (`verl_table`).
+flags they map to, through the table docs/flags.md is written from (`VERL`, with what a script's
+Args adds: `verl_table`, `verl_settled`).
 """
 
 import argparse
@@ -18,9 +18,11 @@ from transformers import HfArgumentParser
 from flags import need
 
 ARA = "actor_rollout_ref"
-# each shared flag's key in verl's config (docs/flags.md is written from it, and the command line
-# takes the keys: `verl_flags`); None: ours, verl has none. A note after the key says how its value
-# reads here (`NOTES`). A script's Args adds its own flags' keys as `VERL`.
+# each flag's key in verl's config, the shared flags' and the two train scripts' (docs/flags.md is
+# written from it, and the command line takes the keys: `verl_flags`); None: ours, verl has none.
+# A note after the key says how its value reads here (`NOTES`). A script's Args may add keys for
+# flags of its own (a fork's) as `VERL`, and say what verl's keys it has no flag for mean to it as
+# `VERL_SETTLED`.
 VERL = {
     "model": f"{ARA}.model.path",
     "train_files": "data.train_files",
@@ -105,6 +107,38 @@ VERL = {
     "project_name": "trainer.project_name",
     "experiment_name": "trainer.experiment_name",
     "seed": "data.seed / actor_rollout_ref.rollout.seed",
+    "actor_lr": f"{ARA}.actor.optim.lr",
+    "weight_decay": f"{ARA}.actor.optim.weight_decay",
+    "grad_clip": f"{ARA}.actor.grad_clip",
+    "clip_ratio_low": f"{ARA}.actor.clip_ratio_low",
+    "clip_ratio_high": f"{ARA}.actor.clip_ratio_high",
+    "clip_ratio_c": f"{ARA}.actor.clip_ratio_c",
+    "loss_agg_mode": f"{ARA}.actor.loss_agg_mode",
+    "norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std_in_grpo",
+    "entropy_coeff": f"{ARA}.actor.entropy_coeff",
+    "use_kl_loss": f"{ARA}.actor.use_kl_loss",
+    "kl_loss_coef": f"{ARA}.actor.kl_loss_coef",
+    "kl_loss_type": f"{ARA}.actor.kl_loss_type",
+    "use_kl_in_reward": "algorithm.use_kl_in_reward",
+    "kl_coef": "algorithm.kl_ctrl.kl_coef",
+    "kl_penalty": "algorithm.kl_penalty",
+    "kl_ctrl_type": "algorithm.kl_ctrl.type",
+    "kl_target": "algorithm.kl_ctrl.target_kl",
+    "kl_horizon": "algorithm.kl_ctrl.horizon",
+    "gamma": "algorithm.gamma",
+    "lam": "algorithm.lam",
+    "critic_model": "critic.model.path",
+    "critic_lr": "critic.optim.lr",
+    "critic_weight_decay": "critic.optim.weight_decay",
+    "critic_warmup": "trainer.critic_warmup (one less)",
+    "critic_ppo_micro_batch_size_per_gpu": "critic.ppo_micro_batch_size_per_gpu",
+    "critic_ppo_max_token_len_per_gpu": "critic.ppo_max_token_len_per_gpu",
+    "critic_grad_clip": "critic.grad_clip",
+    "cliprange_value": "critic.cliprange_value",
+    "vf_coef": None,  # verl applies it to a shared actor-critic loss only
+    "critic_enable_gradient_checkpointing": "critic.model.enable_gradient_checkpointing",
+    "critic_param_offload": "critic.model.fsdp_config.param_offload",
+    "critic_optimizer_offload": "critic.model.fsdp_config.optimizer_offload",
 }
 
 
@@ -227,8 +261,8 @@ def parser(Args):
 
 
 def verl_table(Args):
-    """{flag: verl's key} for every flag of `Args`: the shared ones (`VERL`) and those the script's
-    Args (and any class between it and RunArgs) declares as its `VERL`."""
+    """{flag: verl's key}: `VERL`, and what the script's Args (or a class it derives from) adds as
+    its `VERL`."""
     table = dict(VERL)
     for cls in reversed(Args.__mro__):
         table.update(vars(cls).get("VERL", {}))
@@ -312,6 +346,7 @@ def verl_flags(Args, argv):
     flags; a key with no counterpart is named. Hydra's `+` prefixes are taken, `null` leaves the
     default."""
     keys, settled = verl_keys(Args), verl_settled(Args)
+    names = {f.name for f in fields(Args)}
     out, script, unknown = [], os.path.basename(sys.argv[0]), []
     for arg in argv:
         m = re.fullmatch(r"\+{0,2}([A-Za-z_]\w*(?:\.\w+)+)=(.*)", arg)
@@ -322,10 +357,14 @@ def verl_flags(Args, argv):
         value = value.replace("'", "").replace('"', "").strip()  # Hydra's quotes
         if value.startswith("[") and value.endswith("]"):  # a list: [a,b] reads as a,b
             value = ",".join(v.strip() for v in value[1:-1].split(","))
-        if key not in keys and settled_as(key, settled):
+        ours = key in keys and keys[key][0] in names
+        if not ours and settled_as(key, settled):  # what the script says verl's key means to it
             values, why = settled_as(key, settled)
             need(values is None or value.lower() in values, f"verl's {key}={value}: {why}")
             print(f"{script}: verl's {key}={value}: {why}: left out", file=sys.stderr)
+            continue
+        if key in keys and not ours:  # another script's flag (PPO's critic_*, gamma, ...)
+            print(f"{script}: verl's {key} has no meaning here: left out", file=sys.stderr)
             continue
         if key not in keys:
             near = [  # whole keys alike, and their last parts too (not model.path for model.x)

@@ -56,24 +56,8 @@ class Args(flags.RunArgs):
     use_kl_in_reward: bool = flag(False, "subtract kl_coef * KL from the reward")
     kl_coef: float | None = flag(None, "default 0.001 when use_kl_in_reward", ge=0)
 
-    # verl's key for each flag above (docs/flags.md; a verl command line is taken: cli.py), and
-    # verl's keys with no flag here: the values that ask for what this script does (None: any)
-    VERL = {
-        "actor_lr": "actor_rollout_ref.actor.optim.lr",
-        "weight_decay": "actor_rollout_ref.actor.optim.weight_decay",
-        "grad_clip": "actor_rollout_ref.actor.grad_clip",
-        "clip_ratio_low": "actor_rollout_ref.actor.clip_ratio_low",
-        "clip_ratio_high": "actor_rollout_ref.actor.clip_ratio_high",
-        "clip_ratio_c": "actor_rollout_ref.actor.clip_ratio_c",
-        "loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode",
-        "norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std_in_grpo",
-        "entropy_coeff": "actor_rollout_ref.actor.entropy_coeff",
-        "use_kl_loss": "actor_rollout_ref.actor.use_kl_loss",
-        "kl_loss_coef": "actor_rollout_ref.actor.kl_loss_coef",
-        "kl_loss_type": "actor_rollout_ref.actor.kl_loss_type",
-        "use_kl_in_reward": "algorithm.use_kl_in_reward",
-        "kl_coef": "algorithm.kl_ctrl.kl_coef",
-    }
+    # what verl's keys with no flag here mean to this script (cli.py; the flags' own keys are in
+    # cli.VERL): the values that ask for what it does (None: any), and why
     VERL_SETTLED = {
         "algorithm.adv_estimator": (("grpo",), "this script is GRPO (train_ppo.py: gae)"),
         "critic.": (None, "GRPO has no critic"),

@@ -84,41 +84,8 @@ class Args(flags.RunArgs):
         False, "a helper compiles beside step 1: off, PPO's ends first"
     )
 
-    # verl's key for each flag above (docs/flags.md; a verl command line is taken: cli.py), and
-    # verl's keys with no flag here: the values that ask for what this script does (None: any)
-    VERL = {
-        "actor_lr": "actor_rollout_ref.actor.optim.lr",
-        "weight_decay": "actor_rollout_ref.actor.optim.weight_decay",
-        "grad_clip": "actor_rollout_ref.actor.grad_clip",
-        "clip_ratio_low": "actor_rollout_ref.actor.clip_ratio_low",
-        "clip_ratio_high": "actor_rollout_ref.actor.clip_ratio_high",
-        "clip_ratio_c": "actor_rollout_ref.actor.clip_ratio_c",
-        "loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode",
-        "entropy_coeff": "actor_rollout_ref.actor.entropy_coeff",
-        "use_kl_loss": "actor_rollout_ref.actor.use_kl_loss",
-        "kl_loss_coef": "actor_rollout_ref.actor.kl_loss_coef",
-        "kl_loss_type": "actor_rollout_ref.actor.kl_loss_type",
-        "use_kl_in_reward": "algorithm.use_kl_in_reward",
-        "kl_coef": "algorithm.kl_ctrl.kl_coef",
-        "kl_penalty": "algorithm.kl_penalty",
-        "kl_ctrl_type": "algorithm.kl_ctrl.type",
-        "kl_target": "algorithm.kl_ctrl.target_kl",
-        "kl_horizon": "algorithm.kl_ctrl.horizon",
-        "gamma": "algorithm.gamma",
-        "lam": "algorithm.lam",
-        "critic_model": "critic.model.path",
-        "critic_lr": "critic.optim.lr",
-        "critic_weight_decay": "critic.optim.weight_decay",
-        "critic_warmup": "trainer.critic_warmup (one less)",
-        "critic_ppo_micro_batch_size_per_gpu": "critic.ppo_micro_batch_size_per_gpu",
-        "critic_ppo_max_token_len_per_gpu": "critic.ppo_max_token_len_per_gpu",
-        "critic_grad_clip": "critic.grad_clip",
-        "cliprange_value": "critic.cliprange_value",
-        "vf_coef": None,  # verl applies it to a shared actor-critic loss only
-        "critic_enable_gradient_checkpointing": "critic.model.enable_gradient_checkpointing",
-        "critic_param_offload": "critic.model.fsdp_config.param_offload",
-        "critic_optimizer_offload": "critic.model.fsdp_config.optimizer_offload",
-    }
+    # what verl's keys with no flag here mean to this script (cli.py; the flags' own keys are in
+    # cli.VERL): the values that ask for what it does (None: any), and why
     VERL_SETTLED = {
         "algorithm.adv_estimator": (
             ("gae",),
