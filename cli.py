@@ -198,8 +198,8 @@ class Parser(HfArgumentParser):
     """The command line of a train script: flags by section in --help, each default once; a flag
     error in a line (no usage block, no traceback)."""
 
-    def error(self, message):
-        self.exit(2, f"{self.prog}: {message} (--help lists the flags)\n")
+    def error(self, message):  # raised, not printed: `run.launch` has rank 0 say it
+        raise SystemExit(f"{self.prog}: {message} (--help lists the flags)")
 
 
 def sections(Args):

@@ -498,22 +498,24 @@ def check_args(args, world_size):
 
 
 # folder names that say what a folder holds, not which one it is: a run's name skips them
-GENERIC = {"model", "models", "hf_model", "actor", "policy", "final", "checkpoint", "weights",
-           "data", "dataset", "datasets", "parquet"}  # fmt: skip
+GENERIC = {"model", "models", "hf_model", "huggingface", "actor", "policy", "final", "checkpoint",
+           "weights", "data", "dataset", "datasets", "parquet"}  # fmt: skip
 
 
 def run_name(model, train_files):
     """A run's default name, after its model and its data: `Qwen/Qwen2.5-0.5B-Instruct` on
     `~/data/gsm8k/train.parquet` -> qwen2.5-0.5b-instruct_gsm8k (a file's folder names the data
     set, as verl's preprocessing writes it; a file alone in a generic folder, its own name). A
-    generic folder name (`GENERIC`: a run's hf_model, a quick start's model and data) gives way to
-    the folder above it: /runs/a/hf_model on /work/mine/data/train.parquet -> a_mine."""
+    generic folder name (`GENERIC`: a run's hf_model, verl's actor/huggingface, a quick start's
+    model and data) gives way to the folder above it, short of the home folder: /runs/a/hf_model on
+    /work/mine/data/train.parquet -> a_mine."""
 
     def named(path):
         path = Path(os.path.abspath(os.path.expanduser(path)))
-        while path.name.lower() in GENERIC and path.parent != path:
-            path = path.parent
-        return path.name or "run"
+        named = path
+        while named.name.lower() in GENERIC and named.parent not in (Path.home(), Path("/")):
+            named = named.parent  # not up to the home folder or /: ~/data stays data
+        return named.name if named.name.lower() not in GENERIC else path.name
 
     first = os.path.expanduser(train_files.split(",")[0])
     stem = Path(first).stem

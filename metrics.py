@@ -80,8 +80,9 @@ class Timer:
 
 def check_logins(args):
     """A logger that needs an account has one before anything loads, not at the first step's log
-    line: wandb's own check of its key (WANDB_API_KEY, `wandb login`'s; no network), unless it
-    logs offline (WANDB_MODE=offline or disabled)."""
+    line: wandb's own check of its key (WANDB_API_KEY, `wandb login`'s), unless it logs offline
+    (WANDB_MODE=offline or disabled). On a terminal with no key, wandb asks there, as it would at
+    the first step; without one, the run is refused."""
     offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled")
     if offline or "wandb" not in {k.strip() for k in args.logger.strip("[]").split(",")}:
         return
@@ -92,9 +93,8 @@ def check_logins(args):
     except Exception as error:  # wandb's UsageError, AuthenticationError
         need(
             False,
-            f"--logger wandb: {error} Log in (wandb login, or WANDB_API_KEY=...), or keep the "
-            "run's wandb files on this machine with WANDB_MODE=offline (wandb sync sends them "
-            "later)",
+            f"--logger wandb: {error} Or set WANDB_API_KEY; or keep the run's wandb files on "
+            "this machine with WANDB_MODE=offline (wandb sync sends them later)",
         )
 
 

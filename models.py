@@ -152,8 +152,9 @@ def few_layers(config, layers):
 
 @contextlib.contextmanager
 def quiet_transformers():
-    """transformers' warnings held back (its load report of a value model's head, which it
-    initialises afresh: "MISSING ... Consider training on your downstream task")."""
+    """transformers' warnings held back: its load report of a value model's head, which it
+    initialises afresh ("MISSING ... Consider training on your downstream task"), `load` says in
+    a line of its own."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
@@ -186,11 +187,18 @@ def load(spec, device, args, trainable=None, layers=None):
             )
         else:
             config, cls = AutoConfig.from_pretrained(spec.path), AutoModelForCausalLM
-        if layers is None and spec.value:  # transformers' report of the new head, said in a line
+        if layers is None and spec.value:  # transformers' report of the new head, in a line
             with quiet_transformers():
-                model = cls.from_pretrained(spec.path, config=config, **kw)
-            if rank() == 0:
-                print(f"the {spec.role}: {spec.path}'s body, a new value head", flush=True)
+                model, info = cls.from_pretrained(
+                    spec.path, config=config, output_loading_info=True, **kw
+                )
+            new = sorted(info["missing_keys"])
+            if new and rank() == 0:
+                print(
+                    f"the {spec.role}: {spec.path} with {', '.join(new)} initialised afresh (a "
+                    "value head on the model's body; a resumed run's checkpoint holds its own)",
+                    flush=True,
+                )
         elif layers is None:
             model = cls.from_pretrained(spec.path, config=config, **kw)
         else:

@@ -353,7 +353,7 @@ class Run:
         metrics = self.validate()
         self.logger.log(metrics, self.step)
         self.logger.close()
-        if self.rank == 0:
+        if self.rank == 0 and "jsonl" in self.logger.kinds:
             print(f"validation of {self.args.model}: {self.logger.path}", flush=True)
         return metrics
 

@@ -60,8 +60,8 @@ class Args(flags.RunArgs):
     # cli.VERL): the values that ask for what it does (None: any), and why
     VERL_SETTLED = {
         "algorithm.adv_estimator": (("grpo",), "this script is GRPO (train_ppo.py: gae)"),
-        "critic.": (None, "GRPO has no critic"),
-        "trainer.critic_warmup": (None, "GRPO has no critic"),
+        "critic.": (None, "this script has no critic"),
+        "trainer.critic_warmup": (None, "this script has no critic"),
     }
 
 

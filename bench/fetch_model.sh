@@ -13,7 +13,7 @@
 # Output, one part per folder so each transfer takes one folder (<= 64 MiB each):
 #   REPO/.whl/model1/  GGUF bytes [0, 41 MiB) as $G.part01 + $G.sha256 + gsm8k_test.jsonl + gguf-0.19.0-py3-none-any.whl
 #                      (41 MiB so that it fits beside .whl/vllm2 (19.3 MiB) in one transfer)
-#   REPO/.whl/model2..model8/  62 MiB each ($G.part02..part08; the last is 54.6 MiB)
+#   REPO/.whl/model2..model9/  54 MiB each ($G.part02..part09), so that each fits beside the checkout
 # The raw GGUF is sent as is: xz -6 / zstd -19 shrink it only 4.6 % / 5 % (quantized weights), which saves no transfer.
 set -euo pipefail
 REPO=${1:-$(git rev-parse --show-toplevel)}
@@ -22,7 +22,7 @@ PIP=${PIP:-python3 -m pip}
 G=qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
 FIRST_MIB=${FIRST_MIB:-41}
-CHUNK_MIB=${CHUNK_MIB:-62}
+CHUNK_MIB=${CHUNK_MIB:-54}
 
 rm -rf "$WORK" && mkdir -p "$WORK/dl" "$WORK/x" "$WORK/chunks"
 cd "$WORK"

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Build an offline vLLM payload for the GPU test machine (H200, python3.12, torch 2.11.0+cu130,
-# transformers 5.17, no network). Runs on a CPU machine that reaches PyPI (about 2.5 min).
+# transformers 5.17, no network). Runs on a CPU machine that reaches PyPI (about 7 minutes, most of
+# them xz's).
 # Output: <=60 MiB parts, one per folder, so that each transfer to the GPU machine stays under 64 MiB.
 #
 #   bash bench/fetch_vllm.sh [REPO_ROOT]     # default REPO_ROOT = current git root
 #
 # Produces  REPO_ROOT/.whl/vllm1/site.tar.xz.part00   (60 MiB)
 #           REPO_ROOT/.whl/vllm2/site.tar.xz.part01   (~20 MiB) + site.tar.xz.sha256
-# (.whl/ must be git-ignored: echo /.whl/ >> .git/info/exclude)
+# (.whl/ is git-ignored)
 #
 # Why vllm 0.26.0: it is the newest vllm whose wheel pins torch==2.11.0 (0.20.0..0.26.0 pin 2.11.0,
 # 0.27.x..0.29.0 pin 2.13.0, 0.33.0 pins 2.14.0) and its kernels link libcudart.so.13 (CUDA 13),

@@ -51,7 +51,8 @@ def test_every_script_the_docs_name_is_here():
         code.append(text)
     code = "\n".join(code)
     named = set(re.findall(r"(?<![\w/.~$-])((?:[\w-]+/)*[\w-]+\.(?:py|sh))\b", code))
-    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout
+    listed = ["git", "ls-files", "--cached", "--others", "--exclude-standard"]
+    tracked = subprocess.run(listed, cwd=ROOT, capture_output=True, text=True).stdout
     tracked = tracked.split()
     names = {Path(f).name for f in tracked}
     yours = {"my_reward.py", "train_rloo.py"}  # the README's examples of a reader's files

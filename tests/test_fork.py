@@ -108,11 +108,15 @@ def fork_to_rloo(source):
     norm = "norm = args.norm_adv_by_std_in_grpo\n"  # Dr.GRPO's switch, which RLOO has not
     start = forked.index(call)
     start = forked.rindex(norm, 0, start) if norm in forked[:start] else start
-    return (
+    forked = (
         forked[:start]
         + "advantages = compute_rloo_outcome_advantage(scores, response_mask, n)"
         + forked[forked.index(call) + len(call) :]
     )
+    # the estimator it is, in verl's name (algorithm.adv_estimator=rloo on a verl command line)
+    grpo = '"algorithm.adv_estimator": (("grpo",), "this script is GRPO (train_ppo.py: gae)"),'
+    assert grpo in forked
+    return forked.replace(grpo, '"algorithm.adv_estimator": (("rloo",), "this script is RLOO"),')
 
 
 def rloo_diff():
@@ -151,7 +155,7 @@ def test_the_readmes_fork_is_the_patch_that_makes_rloo(assets, tmp_path):  # noq
         )
         if line[:1] in "+-" and line[:3] not in ("+++", "---")
     ]
-    assert len(changed) <= 30, "\n".join(changed)  # the function and its call, nothing else
+    assert len(changed) <= 32, "\n".join(changed)  # the function, its call, its verl name
 
     # the fork's advantage by hand: scores [1, 0, 0] in a group of 3: baselines 0, 0.5, 0.5
     # -> 1, -0.5, -0.5; a group of equal scores gets 0, as in GRPO
@@ -174,6 +178,7 @@ def test_the_readmes_fork_is_the_patch_that_makes_rloo(assets, tmp_path):  # noq
         "MASTER_PORT": str(free_port()),
     }
     extra = ["--save_freq", "-1", "--test_freq", "-1", "--val_before_train", "false"]
+    extra += ["algorithm.adv_estimator=rloo"]  # a verl command line's, taken
     proc = subprocess.run(
         [
             *[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"],

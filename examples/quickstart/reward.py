@@ -5,7 +5,7 @@ brevity as an extra metric (logged as critic/score/brevity/mean, val-aux/...).""
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    letters = sum(c in solution_str for c in ground_truth) / len(ground_truth)
+    letters = sum(c in solution_str for c in ground_truth) / max(len(ground_truth), 1)
     return {
         "score": 1.0 if ground_truth in solution_str else 0.5 * letters,
         "brevity": 1.0 / (1 + len(solution_str.split())),
