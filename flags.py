@@ -157,7 +157,8 @@ class RunArgs:
         "plan for a GPU of this many GiB and, on a larger one, run as on it",
         gt=0,
         doc="plan for a GPU of this many GiB and, on a larger one, run as on it (torch's "
-        "allocations and the engine's share capped to it)",
+        "allocations and the engine's share capped to it); what other processes hold on the GPU "
+        "counts against it, the compiling helper's and any other user's alike",
     )
     n_gpus_per_node: int | None = flag(
         None,
