@@ -260,23 +260,25 @@ def parser(Args):
     return p
 
 
-def verl_table(Args):
-    """{flag: verl's key}: `VERL`, and what the script's Args (or a class it derives from) adds as
-    its `VERL`."""
-    table = dict(VERL)
+def with_args(table, Args, name):
+    """`table` updated with the dict the script's Args (or a class it derives from) declares as
+    `name`."""
+    table = dict(table)
     for cls in reversed(Args.__mro__):
-        table.update(vars(cls).get("VERL", {}))
+        table.update(vars(cls).get(name, {}))
     return table
+
+
+def verl_table(Args):
+    """{flag: verl's key}: `VERL`, and what the script's Args adds as its `VERL`."""
+    return with_args(VERL, Args, "VERL")
 
 
 def verl_settled(Args):
     """verl's keys with no flag here, {key: (values that ask for what this script does, or None
     for any; why)}: the shared ones (`VERL_SETTLED`) and the script's Args' `VERL_SETTLED`. A key
     ending in "." stands for all of a section's keys."""
-    table = dict(VERL_SETTLED)
-    for cls in reversed(Args.__mro__):
-        table.update(vars(cls).get("VERL_SETTLED", {}))
-    return table
+    return with_args(VERL_SETTLED, Args, "VERL_SETTLED")
 
 
 # how a value reads here, by the note after a key in the tables: verl's enforce_eager is the
@@ -358,8 +360,9 @@ def verl_flags(Args, argv):
         if value.startswith("[") and value.endswith("]"):  # a list: [a,b] reads as a,b
             value = ",".join(v.strip() for v in value[1:-1].split(","))
         ours = key in keys and keys[key][0] in names
-        if not ours and settled_as(key, settled):  # what the script says verl's key means to it
-            values, why = settled_as(key, settled)
+        entry = None if ours else settled_as(key, settled)
+        if entry:  # what the script says verl's key means to it
+            values, why = entry
             need(values is None or value.lower() in values, f"verl's {key}={value}: {why}")
             print(f"{script}: verl's {key}={value}: {why}: left out", file=sys.stderr)
             continue

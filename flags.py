@@ -399,6 +399,11 @@ def folder_problem(folder):
     return None
 
 
+def loggers(args):
+    """--logger's kinds, in order: `console,jsonl` or verl's list, `[console,wandb]`."""
+    return list(dict.fromkeys(k.strip() for k in args.logger.strip("[]").split(",") if k.strip()))
+
+
 def check_args(args, world_size):
     """Fail at start-up on the shared flags, naming them, before anything heavy loads; then fill the
     derived defaults. A train script's check_args calls this, then checks its own flags."""
@@ -470,7 +475,7 @@ def check_args(args, world_size):
         f"--custom_reward_function_name {args.custom_reward_function_name} needs "
         "--custom_reward_function_path, the file that defines it",
     )
-    for kind in (k.strip() for k in args.logger.strip("[]").split(",") if k.strip()):
+    for kind in loggers(args):
         need(
             kind in ("console", "jsonl", "wandb", "tensorboard"),
             f"--logger {kind!r}: choose from console, jsonl, wandb, tensorboard",
@@ -513,10 +518,10 @@ def run_name(model, train_files):
 
     def named(path):
         path = Path(os.path.abspath(os.path.expanduser(path)))
-        named = path
-        while named.name.lower() in GENERIC and named.parent not in (Path.home(), Path("/")):
-            named = named.parent  # not up to the home folder or /: ~/data stays data
-        return named.name if named.name.lower() not in GENERIC else path.name
+        which = path
+        while which.name.lower() in GENERIC and which.parent not in (Path.home(), Path("/")):
+            which = which.parent  # not up to the home folder or /: ~/data stays data
+        return which.name if which.name.lower() not in GENERIC else path.name
 
     first = os.path.expanduser(train_files.split(",")[0])
     stem = Path(first).stem

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 import sharding
 from checkpoint import free_name
-from flags import need
+from flags import loggers, need
 
 IMPORTED = time.time()
 
@@ -84,7 +84,7 @@ def check_logins(args):
     (WANDB_MODE=offline or disabled). On a terminal with no key, wandb asks there, as it would at
     the first step; without one, the run is refused."""
     offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled")
-    if offline or "wandb" not in {k.strip() for k in args.logger.strip("[]").split(",")}:
+    if offline or "wandb" not in loggers(args):
         return
     import wandb
 
@@ -104,7 +104,7 @@ class Logger:
     def __init__(self, args, out_dir, flags=None, name="metrics.jsonl"):
         """`flags`: the run's flags for wandb's config (`Run.flags`; default: asdict(args)); `name`:
         the jsonl file's."""
-        self.kinds = {k.strip() for k in args.logger.strip("[]").split(",") if k.strip()}
+        self.kinds = loggers(args)
         self.on = sharding.rank() == 0
         self.path, self.wandb, self.tb = os.path.join(out_dir, name), None, None
         if not self.on:

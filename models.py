@@ -118,11 +118,10 @@ def check_source(path, flag="--model"):
             try:
                 huggingface_hub.hf_hub_download(path, "config.json", etag_timeout=10)
             except Exception as error:  # not found, private, gated, or the hub failing
-                why = str(error).strip().splitlines()[0] if str(error).strip() else ""
                 flags.need(
                     False,
                     f"{flag} {path}: the hub ({constants.ENDPOINT}) did not give its config.json "
-                    f"({type(error).__name__}: {why}). Check the name; for a private or gated "
+                    f"({first_line(error)}). Check the name; for a private or gated "
                     "model, accept its terms on the hub and log in (hf auth login, or "
                     f"HF_TOKEN=...); or {ways}",
                 )
@@ -148,6 +147,12 @@ def few_layers(config, layers):
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:layers]
     return config
+
+
+def first_line(error):
+    """`error` as `Type: the first line of its message`, for a message of one line."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 @contextlib.contextmanager
@@ -187,31 +192,28 @@ def load(spec, device, args, trainable=None, layers=None):
             )
         else:
             config, cls = AutoConfig.from_pretrained(spec.path), AutoModelForCausalLM
-        if layers is None and spec.value:  # transformers' report of the new head, in a line
-            with quiet_transformers():
+        if layers is None:  # a value model's new head: transformers' report of it, in a line
+            with quiet_transformers() if spec.value else contextlib.nullcontext():
                 model, info = cls.from_pretrained(
                     spec.path, config=config, output_loading_info=True, **kw
                 )
             new = sorted(info["missing_keys"])
-            if new and rank() == 0:
+            if spec.value and new and rank() == 0:
                 print(
                     f"the {spec.role}: {spec.path} with {', '.join(new)} initialised afresh (a "
                     "value head on the model's body; a resumed run's checkpoint holds its own)",
                     flush=True,
                 )
-        elif layers is None:
-            model = cls.from_pretrained(spec.path, config=config, **kw)
         else:
             model = cls.from_config(few_layers(config, layers), **kw)
     except torch.OutOfMemoryError:
         raise
     except Exception as error:  # a damaged or missing file: the library's message names neither
         flag = " (--model)" if spec.path == args.model else ""
-        why = str(error).strip().splitlines()[0] if str(error).strip() else ""
         flags.need(
             False,
-            f"the {spec.role} model {spec.path}{flag} cannot be loaded: {type(error).__name__}: "
-            f"{why}. Its files may be damaged or incomplete: download or export it again, or give "
+            f"the {spec.role} model {spec.path}{flag} cannot be loaded: {first_line(error)}. "
+            "Its files may be damaged or incomplete: download or export it again, or give "
             "another folder",
         )
     offload = spec.on(args, "param_offload")
