@@ -466,17 +466,39 @@ def test_fused_kernels_train_the_same_step(assets, vllm_run):
     assert not differ, differ
 
 
+SIGTERM_WHILE_TRAINING = '''
+import os, signal
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """Once the test asks (its file exists), the next training response scored sends the whole job
+    (torchrun and both ranks) a SIGTERM, once, as `timeout` does: it lands while a step trains,
+    never while one validates, whatever the machine's speed."""
+    if extra_info["split"] == "train" and os.path.exists(__file__ + ".ask"):
+        try:
+            os.close(os.open(__file__ + ".signalled", os.O_CREAT | os.O_EXCL))
+            os.killpg(os.getpgid(0), signal.SIGTERM)
+        except FileExistsError:
+            pass
+    return 0.5
+'''
+
+
 def stop_by_sigterm_then_resume(script, out, make_flags):
     """Run `script` on two ranks for 20 steps (`make_flags(steps, resume)`: checkpoints every 10
-    steps, validation every step) and send SIGTERM to the whole job once step 1 is logged, as
-    `timeout` or a batch scheduler does. Check that the step in progress was checkpointed and the
-    run stopped without validating it or exporting; then resume for one more step. Returns the step
-    it stopped after."""
+    steps, validation every step) and, once step 1 is logged, have SIGTERM sent to the whole job
+    while a step trains (SIGTERM_WHILE_TRAINING), as `timeout` or a batch scheduler does. Check
+    that the step in progress was checkpointed and the run stopped without validating it or
+    exporting; then resume for one more step. Returns the step it stopped after."""
     import signal
     import time
 
     env = {**os.environ, "MASTER_PORT": str(free_port())}
     log = out.parent / f"{out.name}.log"
+    reward_fn = out.parent / f"{out.name}_reward.py"
+    reward_fn.write_text(SIGTERM_WHILE_TRAINING)
+
+    def run_flags(steps, resume):
+        return [*make_flags(steps, resume), "--custom_reward_function_path", str(reward_fn)]
+
     with open(log, "w") as f:
         cmd = [
             sys.executable,
@@ -486,7 +508,7 @@ def stop_by_sigterm_then_resume(script, out, make_flags):
             "--master_port",
             env["MASTER_PORT"],
             script,
-            *make_flags(20, "disable"),
+            *run_flags(20, "disable"),
         ]
         proc = subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
@@ -499,7 +521,7 @@ def stop_by_sigterm_then_resume(script, out, make_flags):
             ):
                 assert proc.poll() is None and time.time() < deadline, log.read_text()[-6000:]
                 time.sleep(0.2)
-            os.killpg(proc.pid, signal.SIGTERM)  # torchrun and both workers, as `timeout` does
+            (reward_fn.parent / f"{reward_fn.name}.ask").touch()  # the signal, at the next scoring
             proc.wait(timeout=120)
         finally:
             if proc.poll() is None:
@@ -526,7 +548,7 @@ def stop_by_sigterm_then_resume(script, out, make_flags):
         "--master_port",
         env["MASTER_PORT"],
         script,
-        *make_flags(k + 1, "auto"),
+        *run_flags(k + 1, "auto"),
     ]
     resumed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-6000:]
