@@ -212,20 +212,23 @@ def flops_per_token(config, seq_len):
     return 2 * (L * per_layer + V * h) + 2 * L * seq_len * q
 
 
-def phase_perf(t, config, seq_len, tokens, response_tokens, peak_flops, epochs, push_bytes):
-    """Achieved TFLOP/s and MFU of the phases that ran (`t`: their timing_s/*): a log-prob phase is
-    one forward over `tokens`, the actor update three (forward + backward) per epoch; the lm_head
-    counts only at the `response_tokens` positions where it is applied. Weight sync in GB/s."""
-    lm_head = 2 * config.vocab_size * config.hidden_size
-    forward = tokens * (flops_per_token(config, seq_len) - lm_head) + response_tokens * lm_head
+def forward_flops(config, seq_len, tokens, response_tokens, value=False):
+    """One forward pass's FLOPs over `tokens` tokens of sequences `seq_len` long on average: the
+    body at every token; a causal LM's output layer (2 V h a token) only at the `response_tokens`
+    positions where it is applied, a value model's head (2 h: one score) at every token."""
+    head = 2 * config.vocab_size * config.hidden_size
+    body = tokens * (flops_per_token(config, seq_len) - head)
+    return body + (tokens * 2 * config.hidden_size if value else response_tokens * head)
+
+
+def phase_perf(t, work, peak_flops, push_bytes):
+    """Achieved TFLOP/s and MFU of the phases that ran (`t`: their timing_s/*), from `work`:
+    {phase: (its name in perf/tflops/<name> and perf/mfu/<name>, its FLOPs)}. Weight sync in
+    GB/s."""
     out = {"perf/peak_tflops": peak_flops / 1e12}
-    for phase, name, passes in (
-        ("old_log_prob", "old_log_prob", 1),
-        ("ref", "ref", 1),
-        ("update_actor", "actor", 3 * epochs),
-    ):
+    for phase, (name, flops) in work.items():
         if f"timing_s/{phase}" in t:
-            rate = passes * forward / t[f"timing_s/{phase}"]
+            rate = flops / t[f"timing_s/{phase}"]
             out |= {f"perf/tflops/{name}": rate / 1e12, f"perf/mfu/{name}": rate / peak_flops}
     if "timing_s/update_weights" in t:
         out["perf/weight_sync_gb_s"] = push_bytes / t["timing_s/update_weights"] / 1e9

@@ -57,6 +57,7 @@ from metrics import (
     Logger,
     Timer,
     check_logins,
+    forward_flops,
     measure_peak_flops,
     phase_perf,
     repair_metrics,
@@ -326,7 +327,7 @@ class Run:
             self.logger.log(self.validate(), self.step)
         self.peak_flops = measure_peak_flops(device) * self.world
         self.push_bytes = sum(p.numel() for p in actor.parameters()) * push_dtype.itemsize
-        self.config = actor.config
+        self.configs = {role: model.config for role, model in self.loaded.items()}
         # a SIGTERM checkpoints the step in progress and stops; a stuck phase ends at the deadline
         self.stop = StopRequest(self.args.stop_grace_s, self.where)
         self.bar = tqdm(
@@ -356,6 +357,20 @@ class Run:
         if self.rank == 0 and "jsonl" in self.logger.kinds:
             print(f"validation of {self.args.model}: {self.logger.path}", flush=True)
         return metrics
+
+    def work(self, tokens, responses, n_seqs):
+        """The FLOPs of each phase of a step over `tokens` tokens, `responses` of them response
+        tokens, in `n_seqs` sequences: a model's pass without gradients is one forward, its update
+        three (forward and backward) per epoch; {phase: (name in perf/mfu/<name>, FLOPs)}."""
+        work = {}
+        for spec in self.specs:
+            if spec.role in self.configs:
+                config, value = self.configs[spec.role], spec.value
+                forward = forward_flops(config, tokens / n_seqs, tokens, responses, value)
+                work[spec.phase] = (spec.phase, forward)
+                if spec.trained:  # named as verl's perf/mfu/actor
+                    work[spec.update_phase] = (spec.role, 3 * self.args.ppo_epochs * forward)
+        return work
 
     def end_step(self, step, metrics, timer, batch, old_log_probs, source, trainer_state=None):
         """Phase 7: the step's shared metrics (the batch's, timings, memory, MFU), then validate
@@ -387,8 +402,9 @@ class Run:
             }
             at = self.plan.at((tokens - responses) / n_seqs, responses / n_seqs)
             metrics |= {f"perf/predicted_memory_gb/{phase}": v / 2**30 for phase, v in at.items()}
-        perf = (self.config, tokens / n_seqs, tokens, responses, self.peak_flops, args.ppo_epochs)
-        metrics |= phase_perf(t, *perf, self.push_bytes)
+        metrics |= phase_perf(
+            t, self.work(tokens, responses, n_seqs), self.peak_flops, self.push_bytes
+        )
         if source.overlap:  # the generation's own time, beside the previous step's training
             metrics["timing_s/gen_background"] = batch.seconds
         last_step = step == self.total_steps

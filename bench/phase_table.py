@@ -5,9 +5,11 @@ light.
     OUT/bench_engine.json]
 
 Speed of light of a step: its generated tokens at standalone vLLM's rate (`--plain_tok_s`, measured
-by bench/bench_engine.py; without it, our engine's own rate) plus the FLOPs of its log-prob and
-update phases at 40% of the measured bf16 matmul peak (a step that overlaps them,
---one_step_off_policy, can take less). The median is over steps after the first (warm-up).
+by bench/bench_engine.py; without it, our engine's own rate) plus the FLOPs of its models' passes
+(log-probs, values, the updates) at 40% of the measured bf16 matmul peak (a step that overlaps them,
+--one_step_off_policy, can take less). Metrics logged before 2026-12-05 hold no FLOPs of PPO's
+critic: its speed of light then counts the actor's and the reference's passes alone. The median is
+over steps after the first (warm-up).
 Then each phase's peak GPU memory (`perf/max_memory_allocated_gb/<phase>`), its median over the same
 steps: the trainer's own in the phases that run while the engine sleeps, the engine's memory
 included in those where it is awake (gen, update_weights).
@@ -29,7 +31,14 @@ PHASES = [
     "update_weights",
     "step",
 ]
-MFU = ["old_log_prob", "ref", "actor"]
+# each model's passes as perf/mfu/<name> names them, and the phase whose time they took
+MFU = {
+    "old_log_prob": "old_log_prob",
+    "ref": "ref",
+    "values": "values",
+    "actor": "update_actor",
+    "critic": "update_critic",
+}
 
 
 def speed_of_light(row, plain_tok_s):
@@ -39,7 +48,7 @@ def speed_of_light(row, plain_tok_s):
     tokens = row["perf/gen_tokens_per_s"] * row.get("timing_s/gen_background", row["timing_s/gen"])
     flops = sum(
         row[f"perf/tflops/{m}"] * row[f"timing_s/{p}"] * 1e12
-        for m, p in (("old_log_prob", "old_log_prob"), ("ref", "ref"), ("actor", "update_actor"))
+        for m, p in MFU.items()
         if f"perf/tflops/{m}" in row
     )
     return tokens / (plain_tok_s or row["perf/gen_tokens_per_s"]) + flops / (

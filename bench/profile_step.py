@@ -190,16 +190,12 @@ def main(a):
                 torch.cuda.empty_cache()
                 print(f"{mode:7s} {name:9s} {budget:>12d} out of memory", flush=True)
                 return False
-            perf = metrics.phase_perf(
-                {f"timing_s/{phase}": dt},
-                config,
-                seq_len,
-                tokens(seqs),
-                sum(len(r) for _, r in seqs),
-                peak,
-                1,
-                0,
+            forward = metrics.forward_flops(
+                config, seq_len, tokens(seqs), sum(len(r) for _, r in seqs)
             )
+            passes = 3 if phase.startswith("update_") else 1  # forward and backward: three
+            work = {phase: (key, passes * forward)}
+            perf = metrics.phase_perf({f"timing_s/{phase}": dt}, work, peak, 0)
             mem = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else float("nan")
             print(
                 f"{mode:7s} {name:9s} {budget:>12d} {first:>8.2f} {dt:>8.2f} "

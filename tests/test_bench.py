@@ -92,6 +92,15 @@ def test_speed_of_light_by_hand():
     # FLOPs: 50 TFLOP/s x 2 s + 100 TFLOP/s x 4 s = 500 TFLOP, at 40% of 1000 TFLOP/s: 1.25 s
     assert phase_table.speed_of_light(ROW, 2000.0) == pytest.approx(6.25)
     assert phase_table.speed_of_light(ROW, None) == pytest.approx(11.25)  # at our own rate: 10 s
+    # PPO: the critic's passes count too: + 20 TFLOP/s x 1 s (values) + 40 TFLOP/s x 3 s (update)
+    # = 140 TFLOP, at 40% of 1000 TFLOP/s: 0.35 s
+    ppo = ROW | {
+        "timing_s/values": 1.0,
+        "timing_s/update_critic": 3.0,
+        "perf/tflops/values": 20.0,
+        "perf/tflops/critic": 40.0,
+    }
+    assert phase_table.speed_of_light(ppo, 2000.0) == pytest.approx(6.6)
 
 
 def test_table_and_summary(tmp_path, capsys):

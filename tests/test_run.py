@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, HfArgumentParser
 import compile_ahead
 import flags
 import metrics
+import models
 import run
 import train_grpo
 import train_ppo
@@ -57,18 +58,59 @@ def test_flops_per_token_by_hand():
     )
 
 
-def test_phase_perf_by_hand():
+def test_forward_flops_by_hand():
     # tiny config at seq_len 100: 722944 FLOPs per token forward, of which the lm_head is 2 * V * h
-    # = 81920 1000 tokens, 400 of them response tokens: 1000 * (722944 - 81920) + 400 * 81920
-    # = 673792000
-    t = {"timing_s/old_log_prob": 2.0, "timing_s/update_actor": 3.0, "timing_s/update_weights": 0.5}
-    perf = metrics.phase_perf(t, tiny_config(tie=True), 100, 1000, 400, 1e9, 2, 4e9)
+    # = 81920. 1000 tokens, 400 of them response tokens:
+    # a causal LM: 1000 * (722944 - 81920) + 400 * 81920 = 641024000 + 32768000 = 673792000
+    # a value model: the body at every token and a head of 2 * h = 256 at every token:
+    # 641024000 + 1000 * 256 = 641280000
+    config = tiny_config(tie=True)
+    assert metrics.forward_flops(config, 100, 1000, 400) == 673792000
+    assert metrics.forward_flops(config, 100, 1000, 400, value=True) == 641280000
+
+
+def test_phase_perf_by_hand():
+    t = {
+        "timing_s/old_log_prob": 2.0,
+        "timing_s/update_actor": 3.0,
+        "timing_s/values": 4.0,
+        "timing_s/update_weights": 0.5,
+    }
+    work = {
+        "old_log_prob": ("old_log_prob", 673792000),
+        "ref": ("ref", 673792000),
+        "update_actor": ("actor", 6 * 673792000),  # 3 passes x 2 epochs
+        "values": ("values", 641280000),
+    }
+    perf = metrics.phase_perf(t, work, 1e9, 4e9)
     assert perf["perf/tflops/old_log_prob"] == pytest.approx(673792000 / 2.0 / 1e12)
     assert perf["perf/mfu/old_log_prob"] == pytest.approx(673792000 / 2.0 / 1e9)
-    # 3 passes x 2 epochs
-    assert perf["perf/mfu/actor"] == pytest.approx(3 * 2 * 673792000 / 3.0 / 1e9)
+    assert perf["perf/mfu/actor"] == pytest.approx(6 * 673792000 / 3.0 / 1e9)
+    assert perf["perf/mfu/values"] == pytest.approx(641280000 / 4.0 / 1e9)
     assert "perf/mfu/ref" not in perf  # no reference phase ran
     assert perf["perf/weight_sync_gb_s"] == pytest.approx(8.0) and perf["perf/peak_tflops"] == 1e-3
+
+
+def test_run_work_counts_each_declared_model():
+    """Run.work: each model the script declared and loaded, its pass one forward, a trained one's
+    update three per epoch; a value model with its one-score head; a declared model the run did not
+    load (the reference without a KL term) counts nothing."""
+    config = tiny_config(tie=True)
+    specs = [
+        models.Model("actor", "m", "old_log_prob"),
+        models.Model("ref", "m", "ref", trained=False),
+        models.Model("critic", "m", "values", value=True),
+    ]
+    r = run.Run.__new__(run.Run)
+    r.specs, r.args = specs, SimpleNamespace(ppo_epochs=2)
+    r.configs = {"actor": config, "critic": config}
+    # 10 sequences, 1000 tokens (mean length 100), 400 response tokens
+    assert r.work(1000, 400, 10) == {
+        "old_log_prob": ("old_log_prob", 673792000),
+        "update_actor": ("actor", 6 * 673792000),
+        "values": ("values", 641280000),
+        "update_critic": ("critic", 6 * 641280000),
+    }
 
 
 # --- the learning rate's schedule -----------------------------------------------------------------

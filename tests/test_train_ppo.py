@@ -65,6 +65,9 @@ METRICS = [
     "timing_s/since_launch",
     "perf/throughput",
     "perf/mfu/actor",
+    "perf/mfu/old_log_prob",
+    "perf/mfu/values",
+    "perf/mfu/critic",
     "rollout/logprob_gap_mean",
 ]
 # what only the actor's update logs (the policy's entropy comes from the old log-prob pass, every
