@@ -18,8 +18,8 @@ phase's peak is what stays resident plus what that phase adds:
   update_<role>   resident + fp32 gradients + every layer's activations for the backward (or, with
                   gradient checkpointing, each layer's input and one layer's activations) + the
                   logits and their gradient (two bf16 copies; --use_fused_kernels: one chunk)
-  save_checkpoint resident + the largest tensor gathered (the engine asleep)
-  export
+  save_checkpoint resident + the awake engine (they follow a step's weight push) + the largest
+  export          tensor gathered
 
 The first step with --warm_compile_caches runs its passes eager (more activations, fp32 logits)
 beside the compiling helper process: its plan (`Plan.first`) leaves the helper its memory, and where
@@ -318,11 +318,11 @@ def plan(
 ):
     """Predict each phase's peak on one GPU for `models` (a list of `Part`, the policy first) and
     choose what is not given: the engine's share of the GPU (`engine_share`: what the trainer
-    leaves, at most ENGINE_SHARE) and the token budgets (`budgets`, a dict by the parts' budget
-    keys: each the largest multiple of 1,024 up to its cap at which every phase using it fits, at
-    least one whole sequence). `helper`: bytes another process holds meanwhile (the compiling
-    helper), left out of what the trainer may use. A budget chosen below `budget_floor` tokens
-    (0: no floor) is noted in `Plan.small`.
+    leaves beside a gathered tensor, at most ENGINE_SHARE) and the token budgets (`budgets`, a dict
+    by the parts' budget keys: each the largest multiple of 1,024 up to its cap at which every
+    phase using it fits, at least one whole sequence). `helper`: bytes another process holds
+    meanwhile (the compiling helper), left out of what the trainer may use. A budget chosen below
+    `budget_floor` tokens (0: no floor) is noted in `Plan.small`.
 
     prompt_len: the prompts' mean length in tokens (their maximum when the data is not read);
     response_len: --max_response_length; batch_seqs / mini_batch_seqs: the sequences of a step and
@@ -389,9 +389,13 @@ def plan(
             if chosen[key] < min(budget_floor, seqs * longest):
                 small.append(key)
 
+    # the checkpoint and the export run after a step's weight push, the engine awake: each
+    # gathers the full tensors one at a time, in fp32, the largest an embedding
+    gathered = {"a tensor gathered": 4 * max(m.shape.vocab * m.shape.hidden for m in models)}
     squeezed = False  # the engine's share, chosen here, below ENGINE_SHARE
     if engine_share is None:
-        engine_share = max(0.0, min(ENGINE_SHARE, (usable - held) / gpu_bytes))
+        room = usable - held - sum(gathered.values())
+        engine_share = max(0.0, min(ENGINE_SHARE, room / gpu_bytes))
         squeezed = engine_share < ENGINE_SHARE
     engine = engine_share * gpu_bytes
     result = Plan(
@@ -410,8 +414,7 @@ def plan(
     parts["update_weights"] = (awake, engine_note)
     if not helper:  # a run's phases after its steps; not the first step's (beside the helper)
         parts["testing"] = parts["update_weights"]
-        largest = max(m.shape.vocab * m.shape.hidden for m in models)  # an embedding
-        parts["save_checkpoint"] = (resident | {"a tensor gathered": 4 * largest}, "")
+        parts["save_checkpoint"] = (awake | gathered, engine_note)
         parts["export"] = parts["save_checkpoint"]
     result.parts = {name: what for name, (what, _) in parts.items()}
     result.phases = {name: (sum(what.values()), note) for name, (what, note) in parts.items()}
@@ -717,6 +720,21 @@ def fence(args, device):
 
     allow()
     return allow
+
+
+def expandable_segments():
+    """Have torch's allocator grow its blocks in place (expandable segments) from here on, unless
+    the user's PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) says how it allocates; returns
+    whether it did. For runs whose budgets memory set: an update's blocks, cut to its tensors'
+    sizes, leave pieces no larger request fits (an H200 run as a 24 GiB GPU ran out in its first
+    update with 2.5 GiB so held, and ran its steps, validation, checkpoint and export with segments
+    that grow). vLLM's sleep-mode pool turns them off for its own allocations and on again after."""
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+        return False
+    import torch
+
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+    return True
 
 
 def engine_utilization(args, total):

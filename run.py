@@ -612,14 +612,18 @@ def start(args, check_args, declare_models):
     run.prompt_len = int(mean_prompt) or args.max_prompt_length
     run.plan = plan_memory(run, world, run.prompt_len)
     if run.plan is not None:
-        message = memory.plan_message(run.plan, args, specs)
-        need(run.plan.fits, message)
-        if rank == 0:
-            print(message, flush=True)
+        need(run.plan.fits, memory.plan_message(run.plan, args, specs))
         # where memory set the budgets, each phase starts with torch's cached memory given back:
         # one phase's large blocks split by the next one's tensors held 8 GiB that no allocation
-        # could use on an H200 run as a 24 GiB GPU
+        # could use on an H200 run as a 24 GiB GPU; and the blocks grow in place
         Timer.release_cache = device.type == "cuda" and run.plan.bound
+        if Timer.release_cache and memory.expandable_segments():
+            run.plan.notes.append(
+                "torch's allocator grows its blocks in place from here on (expandable segments): "
+                "memory set the budgets"
+            )
+        if rank == 0:
+            print(memory.plan_message(run.plan, args, specs), flush=True)
     steps_per_epoch = len(run.train) // args.train_batch_size if run.train else 0
     run.total_steps = args.total_training_steps or steps_per_epoch * args.total_epochs
     if compile_ahead.warms(args, device) and not args.val_only:
