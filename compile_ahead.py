@@ -27,6 +27,7 @@ import memory
 import models
 import ops
 import passes
+import shapes
 from metrics import Timer, seconds_since_launch
 
 
@@ -129,7 +130,7 @@ def helper_bytes(args, config, specs):
     (`small_batch_tokens`) and their gradient in bf16, a quarter more for the rest, and 2 GiB for
     CUDA's context and the compiler (Qwen2.5-0.5B, GRPO's tutorial: 15.7 GiB, its embeddings
     tied)."""
-    shape = memory.Shape.of(config)
+    shape = shapes.Shape.of(config)
     weights = 0
     for spec in specs:
         root = shape.vocab * shape.hidden if spec.value else shape.root_params
@@ -195,7 +196,7 @@ def helper(args, device, specs, launched, engine_started):
     if device.type == "cuda":
         torch.cuda.set_device(device)
         if args.gpu_memory_gib:  # as on a GPU of that size: the plan's room for the helper
-            config = memory.config_of(specs[0].path)
+            config = shapes.config_of(specs[0].path)
             total = torch.cuda.get_device_properties(device).total_memory
             share = helper_bytes(args, config, specs) / total
             torch.cuda.set_per_process_memory_fraction(min(share, 1.0), device)
@@ -209,7 +210,7 @@ def helper(args, device, specs, launched, engine_started):
     if ops.gpu_default(args.use_torch_compile, device):
         ops.compile_logits_math()
     copies = {spec.role: models.load(spec, device, args, layers=1) for spec in specs}
-    tokens = small_batch_tokens(args, memory.config_of(specs[0].path), specs)
+    tokens = small_batch_tokens(args, shapes.config_of(specs[0].path), specs)
     started = time.time() - launched
     compile_ahead(copies, specs, args, device, tokens=tokens)
     dist.destroy_process_group()
@@ -316,7 +317,7 @@ class WarmStart:
         run.plan, args.use_fused_kernels = self.compiled_plan, self.compiled_fused
         Timer.release_cache = self.release_cache
         started = seconds_since_launch()
-        config = memory.config_of(run.specs[0].path)
+        config = shapes.config_of(run.specs[0].path)
         tokens = small_batch_tokens(args, config, run.specs)
         compile_ahead(run.loaded, run.specs, args, run.device, tokens=tokens)
         if run.rank == 0:

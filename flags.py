@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import memory
+import shapes
 
 
 def flag(default, help, *, gt=None, ge=None, lt=None, le=None, also=(), doc=None):
@@ -594,7 +595,7 @@ def check_paths(args):
             f"--model {args.model} has no tokenizer files (tokenizer.json, tokenizer_config.json): "
             "save the tokenizer beside the model",
         )
-    config = memory.config_of(args.model)
+    config = shapes.config_of(args.model)
     positions = getattr(config, "max_position_embeddings", None)
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     stretched = rope.get("rope_type", "default") != "default"  # YaRN and the like reach further

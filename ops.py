@@ -20,7 +20,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-import memory
+import shapes
 from sharding import decoder_layers
 
 PACKED_ATTENTION = "packed_varlen"  # load models with attn_implementation=PACKED_ATTENTION
@@ -410,7 +410,7 @@ def plain_output_layer(model):
     unchanged (no soft-capping, as Gemma 2's, no scaling, as Cohere's): what `fused_log_probs`
     needs, which reads the log-probs from the layer itself."""
     head = model.get_output_embeddings()
-    scaled = memory.scaled_logits(model.config)
+    scaled = shapes.scaled_logits(model.config)
     return isinstance(head, torch.nn.Linear) and head.bias is None and not scaled
 
 

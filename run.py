@@ -46,6 +46,7 @@ import memory
 import models
 import ops
 import reward
+import shapes
 import sharding
 from batches import batch_metrics, round_metrics, validate
 from cli import given_flags, parse
@@ -520,7 +521,7 @@ def start(args, check_args, declare_models):
         run.gpu_bytes = torch.cuda.get_device_properties(device).total_memory
         if args.gpu_memory_gib:  # behave as on a GPU of that size
             run.fence = memory.fence(args, device)
-    if not args.print_plan:  # which reads configs only (memory.config_of)
+    if not args.print_plan:  # which reads configs only (shapes.config_of)
         for path in dict.fromkeys(spec.path for spec in specs):  # hub ids: reachable, or cached
             models.check_source(path, "--model" if path == args.model else "the model")
     if device.type == "cpu" and rank == 0 and not args.print_plan:
@@ -642,7 +643,7 @@ def plan_memory(run, world, prompt_len):
     planned = run.device.type == "cuda" or args.gpu_memory_gib is not None
     helper = None
     if planned and compile_ahead.warms(args, gpu) and not args.val_only:
-        config = memory.config_of(specs[0].path)
+        config = shapes.config_of(specs[0].path)
         helper = functools.partial(compile_ahead.helper_bytes, config=config, specs=specs)
     return memory.plan_memory(args, specs, world, run.device, prompt_len, run.given, helper)
 

@@ -15,6 +15,7 @@ import compile_ahead
 import memory
 import metrics
 import ops
+import shapes
 from bench.random_model import SHAPES
 from bench.tiny import make_tiny_model
 
@@ -51,15 +52,15 @@ def critic(shape):
 
 
 def test_shape_counts_parameters_by_hand():
-    shape = memory.Shape.of(TINY)
+    shape = shapes.Shape.of(TINY)
     # a layer: q 4x4 + o 4x4 = 32, k and v 4x2 each = 16, their biases 4 + 2 + 2 = 8, the MLP
     # 3 x 4 x 8 = 96, two norms 8: 160. Root: embeddings and head 2 x 10 x 4 = 80, final norm 4.
     assert (shape.q_dim, shape.kv_dim) == (4, 2)
     assert shape.layer_params == 160 and shape.root_params == 84
     assert shape.params == 2 * 160 + 84
     # Qwen2.5-0.5B with an untied head: 630.2M (docs/runs: 2.35 GiB of fp32 masters)
-    assert memory.Shape.of(QWEN25_05B).params == pytest.approx(630.2e6, rel=1e-3)
-    assert memory.Shape.of(QWEN3_17B).params == pytest.approx(1.72e9, rel=1e-2)
+    assert shapes.Shape.of(QWEN25_05B).params == pytest.approx(630.2e6, rel=1e-3)
+    assert shapes.Shape.of(QWEN3_17B).params == pytest.approx(1.72e9, rel=1e-2)
 
 
 def test_a_plan_by_hand(monkeypatch):
@@ -68,7 +69,7 @@ def test_a_plan_by_hand(monkeypatch):
     monkeypatch.setattr(memory, "MARGIN", 1.0)
     monkeypatch.setattr(memory, "OVERHEAD", 0)
     p = memory.plan(
-        policy(memory.Shape.of(TINY)),
+        policy(shapes.Shape.of(TINY)),
         700_000,
         prompt_len=24,
         response_len=8,
@@ -135,7 +136,7 @@ def test_the_qwen25_plan_against_the_h200s_peaks():
     """Qwen2.5-Coder-0.5B-Instruct's peaks on one H200 (docs/runs, the steps after the first),
     against plans for the same flags and the runs' mean lengths (prompts 105 tokens, responses
     about 280: the plan's responses, all of one length, are the runs' mean)."""
-    shape = memory.Shape.of(QWEN25_05B)
+    shape = shapes.Shape.of(QWEN25_05B)
     # GRPO at verl's tutorial shape (256 x 5, mini-batch 64) at 12,288 / 32,768-token budgets,
     # eager layers (ab_layout_grpo_h200_*, 2026-12-02): gen 94.55-94.56 GiB, the log-prob passes
     # 17.15-17.27, update_actor 33.21-33.79
@@ -195,7 +196,7 @@ def test_the_plans_arithmetic_at_each_steps_lengths_against_the_h200s_peaks():
     pass's); at each step's mean lengths (`Plan.at`) the same arithmetic is within 6% of every
     peak (3.8% below to 5.2% above). Steps 2-5 (GRPO) and 2-4 (PPO): prompt and response mean,
     then the peaks in GiB (log-prob, update; PPO: log-prob, values, actor and critic updates)."""
-    shape = memory.Shape.of(QWEN25_05B)
+    shape = shapes.Shape.of(QWEN25_05B)
     grpo = memory.plan(
         policy(shape), H200, prompt_len=105, response_len=1024, batch_seqs=1280, mini_batch_seqs=320
     )
@@ -232,7 +233,7 @@ def test_the_24_gib_plan_against_an_h200_run_as_a_24_gib_gpu():
     steps' mean lengths against the measured peaks of steps 2-3: within 15% above and never more
     than 10% below; the checkpoint after the last step's weight push, the engine awake (18.27 GiB
     measured, 10.91 planned asleep)."""
-    shape = memory.Shape.of(QWEN25_05B)
+    shape = shapes.Shape.of(QWEN25_05B)
     tutorial = dict(prompt_len=105, response_len=1024, batch_seqs=1280, mini_batch_seqs=320)
     models = policy(shape, gradient_checkpointing=True)
     planned = memory.plan(models, 24 * GiB, fused_kernels=True, **tutorial)
@@ -256,7 +257,7 @@ def test_the_chunked_output_layer_leaves_a_pass_without_gradients_one_chunk_of_l
     """--use_fused_kernels in the passes without gradients too: a chunk of logits where the whole
     micro-batch's were (its response tokens' bf16 logits: 26,624 of them in a 37,888-token
     micro-batch of 104-token prompts and 1,024-token responses, 7.5 GiB at 151,936 wide)."""
-    shape = memory.Shape.of(QWEN25_05B)
+    shape = shapes.Shape.of(QWEN25_05B)
     kw = dict(prompt_len=104, response_len=1024, batch_seqs=1280, mini_batch_seqs=320)
     budgets = {"update": 16384, "log_prob": 37888}
     whole, chunked = (
@@ -272,7 +273,7 @@ def test_the_chunked_output_layer_leaves_a_pass_without_gradients_one_chunk_of_l
 
 
 def test_qwen3_fits_an_80gb_gpu_not_a_24gb_one_unless_the_switches_are_on():
-    shape = memory.Shape.of(QWEN3_17B)
+    shape = shapes.Shape.of(QWEN3_17B)
     kw = dict(prompt_len=512, response_len=1024, batch_seqs=3072, mini_batch_seqs=240)
     big = memory.plan(policy(shape), 80 * GiB, **kw)
     assert big.fits and 1536 <= big.budgets["update"] < memory.UPDATE_CAP
