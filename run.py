@@ -328,7 +328,6 @@ class Run:
             self.logger.log(self.validate(), self.step)
         self.peak_flops = measure_peak_flops(device) * self.world
         self.push_bytes = sum(p.numel() for p in actor.parameters()) * push_dtype.itemsize
-        self.configs = {role: model.config for role, model in self.loaded.items()}
         # a SIGTERM checkpoints the step in progress and stops; a stuck phase ends at the deadline
         self.stop = StopRequest(self.args.stop_grace_s, self.where)
         self.bar = tqdm(
@@ -365,9 +364,9 @@ class Run:
         three (forward and backward) per epoch; {phase: (name in perf/mfu/<name>, FLOPs)}."""
         work = {}
         for spec in self.specs:
-            if spec.role in self.configs:
-                config, value = self.configs[spec.role], spec.value
-                forward = forward_flops(config, tokens / n_seqs, tokens, responses, value)
+            if spec.role in self.loaded:
+                config = self.loaded[spec.role].config
+                forward = forward_flops(config, tokens / n_seqs, tokens, responses, spec.value)
                 work[spec.phase] = (spec.phase, forward)
                 if spec.trained:  # named as verl's perf/mfu/actor
                     work[spec.update_phase] = (spec.role, 3 * self.args.ppo_epochs * forward)
@@ -613,18 +612,19 @@ def start(args, check_args, declare_models):
     run.prompt_len = int(mean_prompt) or args.max_prompt_length
     run.plan = plan_memory(run, world, run.prompt_len)
     if run.plan is not None:
-        need(run.plan.fits, memory.plan_message(run.plan, args, specs))
         # where memory set the budgets, each phase starts with torch's cached memory given back:
         # one phase's large blocks split by the next one's tensors held 8 GiB that no allocation
         # could use on an H200 run as a 24 GiB GPU; and the blocks grow in place
         Timer.release_cache = device.type == "cuda" and run.plan.bound
-        if Timer.release_cache and memory.expandable_segments():
+        if run.plan.fits and Timer.release_cache and memory.expandable_segments():
             run.plan.notes.append(
                 "torch's allocator grows its blocks in place from here on (expandable segments): "
                 "memory set the budgets"
             )
+        message = memory.plan_message(run.plan, args, specs)
+        need(run.plan.fits, message)
         if rank == 0:
-            print(memory.plan_message(run.plan, args, specs), flush=True)
+            print(message, flush=True)
     steps_per_epoch = len(run.train) // args.train_batch_size if run.train else 0
     run.total_steps = args.total_training_steps or steps_per_epoch * args.total_epochs
     if compile_ahead.warms(args, device) and not args.val_only:

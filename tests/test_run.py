@@ -103,7 +103,7 @@ def test_run_work_counts_each_declared_model():
     ]
     r = run.Run.__new__(run.Run)
     r.specs, r.args = specs, SimpleNamespace(ppo_epochs=2)
-    r.configs = {"actor": config, "critic": config}
+    r.loaded = {role: SimpleNamespace(config=config) for role in ("actor", "critic")}
     # 10 sequences, 1000 tokens (mean length 100), 400 response tokens
     assert r.work(1000, 400, 10) == {
         "old_log_prob": ("old_log_prob", 673792000),
