@@ -18,7 +18,8 @@
 #                                   # last validated, checkpointed and exported: the plan against the peaks, and
 #                                   # every process's memory by NVML (bench/nvml_peak.py); qwen3_gib_80,
 #                                   # qwen3_gib_40: one step of the random Qwen3-1.7B with what the planner
-#                                   # chose (160 prompts: the tutorial's micro-batches and plan)
+#                                   # chose (160 prompts: the tutorial's micro-batches and plan); then
+#                                   # `python bench/gib_table.py $OUT`: one row per size
 #   bash bench/gpu_all.sh card trl  # TRL 1.16.0's GRPOTrainer at the same shape, model and data
 #                                   # (bench/trl_grpo.py, 5 steps; TRL's wheels in .whl/trl, docs/gpu.md),
 #                                   # then its steps beside the card part's (bench/ab_table.py: A = TRL)
@@ -249,7 +250,7 @@ for part in "${parts[@]}"; do
   # SIGTERM to the workers at LIMIT: a training run checkpoints the step in progress and stops
   # (ending.StopRequest) within the 45 s before everything is killed (bench/limit.sh)
   bash bench/limit.sh "$LIMIT" 45 "$cmd" > "$OUT/$part.log" 2>&1
-  echo "== $part: exit $?"
+  echo "== $part: exit $?" | tee -a "$OUT/$part.log"
   if [ "${part%_filter}" = learn ] && [ -f "$LEARN_DIR/metrics.jsonl" ]; then
     cp "$LEARN_DIR/metrics.jsonl" "$OUT/learn_metrics.jsonl"
     $PY bench/phase_table.py "$OUT/learn_metrics.jsonl" $plain >> "$OUT/$part.log" 2>&1

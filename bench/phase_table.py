@@ -41,6 +41,16 @@ MFU = {
 }
 
 
+PLAIN_HELP = "tokens/s of standalone vLLM, or a bench_engine.json"
+
+
+def plain_rate(value):
+    """--plain_tok_s: a rate, a bench_engine.json holding one (`plain_tok_s`), or None."""
+    if value is None or not value.endswith(".json"):
+        return value and float(value)
+    return json.load(open(value)).get("plain_tok_s")
+
+
 def speed_of_light(row, plain_tok_s):
     # --one_step_off_policy: timing_s/gen is the wait for a batch generated beside the training,
     # whose own time is timing_s/gen_background; the speed of light still adds generation and
@@ -108,13 +118,6 @@ def main(path, plain_tok_s=None):
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("metrics")
-    p.add_argument(
-        "--plain_tok_s", default=None, help="tokens/s of standalone vLLM, or a bench_engine.json"
-    )
+    p.add_argument("--plain_tok_s", default=None, help=PLAIN_HELP)
     a = p.parse_args()
-    plain = a.plain_tok_s
-    if plain is not None:
-        plain = (
-            json.load(open(plain)).get("plain_tok_s") if plain.endswith(".json") else float(plain)
-        )
-    main(a.metrics, plain)
+    main(a.metrics, plain_rate(a.plain_tok_s))

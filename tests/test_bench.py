@@ -13,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import ab_table  # noqa: E402
 import bench_engine  # noqa: E402
+import gib_table  # noqa: E402
 import learn_table  # noqa: E402
 import nvml_peak  # noqa: E402
 import phase_table  # noqa: E402
@@ -85,6 +86,39 @@ def test_plan_table_sets_the_first_steps_own_plan_apart(tmp_path, capsys):
     assert out[4] == "step 1 (its own plan)"
     assert out[6].split() == ["update_actor", "50.0", "45.0", "0.90"]
     assert out[7].startswith("all processes (NVML): 23.5 GiB above the 0.5 GiB")
+
+
+def test_gib_table_rows_by_hand(tmp_path, capsys):
+    """A run that went through (3 steps, exit 0) and one that ran out of memory in step 1: the
+    driver's peak, the lowest and highest measured / planned after the first step, the median
+    step against its speed of light."""
+    steps = [
+        ROW | {"step": s, "timing_s/step": t, "timing_s/since_launch": 70.0 + s,
+               "perf/planned_memory_gb/gen": 18.0, "perf/max_memory_allocated_gb/gen": g,
+               "perf/planned_memory_gb/update_actor": 20.0,
+               "perf/max_memory_allocated_gb/update_actor": u}
+        for s, t, g, u in [(1, 40.0, 30.0, 30.0), (2, 17.0, 18.9, 18.0), (3, 19.0, 18.0, 19.0)]
+    ]  # fmt: skip
+    steps[2] |= {"perf/planned_memory_gb/save_checkpoint": 10.0,
+                 "perf/max_memory_allocated_gb/save_checkpoint": 9.0}  # fmt: skip
+    (tmp_path / "gib_24.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    (tmp_path / "gib_24.nvml.json").write_text(json.dumps({"peak_gib": 23.96, "baseline_gib": 0.6}))
+    (tmp_path / "gib_24.log").write_text("step 3 ...\n== gib_24: exit 0\n")
+    (tmp_path / "gib_ppo_none.log").write_text(
+        "torch.OutOfMemoryError: CUDA out of memory.\n== gib_ppo_none: exit 1\n"
+    )
+    gib_table.main(str(tmp_path), 2000.0)
+    out = capsys.readouterr().out.splitlines()
+    assert [c.strip() for c in out[2].split("|")[1:-1]] == [
+        # gen 18.9/18 = 1.05, the update 19/20 = 0.95 (step 1's 30 GiB not counted), the
+        # checkpoint 0.90; each step's speed of light 6.25 s (test_speed_of_light_by_hand) at
+        # 2000 tok/s: the median 18 s is 2.88x; step 1 ended 71 s after launch
+        "gib_24", "24 GiB", "through", "24.0", "0.90 (save_checkpoint)", "1.05 (gen)", "18.0",
+        "2.88x", "71",
+    ]  # fmt: skip
+    assert [c.strip() for c in out[3].split("|")[1:-1]] == [
+        "gib_ppo_none", "the GPU's own", "out of memory", "-", "-", "-", "-", "-", "-",
+    ]  # fmt: skip
 
 
 def test_speed_of_light_by_hand():
