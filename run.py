@@ -467,9 +467,11 @@ class Run:
                     flush=True,
                 )
         elif args.export_final:
-            path = checkpoint.export_hf(
-                os.path.join(args.default_local_dir, "hf_model"), actor, self.tokenizer
-            )
+            export = {}  # its time and, on a GPU, its peak: after the last row of metrics.jsonl
+            with Timer(export, self.device)("export"):
+                path = checkpoint.export_hf(
+                    os.path.join(args.default_local_dir, "hf_model"), actor, self.tokenizer
+                )
             if self.rank == 0:
                 kept = checkpoint.list_checkpoints(args.default_local_dir)
                 saved = f"checkpoints {args.default_local_dir}; " if kept else ""
@@ -478,8 +480,21 @@ class Run:
                     f"{saved}final policy (Hugging Face format) {path}",
                     flush=True,
                 )
+                print(export_line(export, self.plan), flush=True)
         self.logger.close()
         return metrics
+
+
+def export_line(export, plan):
+    """The final export's time, and on a GPU its peak beside the plan's, as the log's last line
+    (bench/plan_table.py reads it: the export comes after the last row of metrics.jsonl)."""
+    line = f"export: {export['timing_s/export']:.1f} s"
+    peak = export.get("perf/max_memory_allocated_gb/export")
+    if peak is not None:
+        line += f", peak {peak:.1f} GiB"
+        if plan is not None and "export" in plan.phases:
+            line += f" (planned {plan.phases['export'][0] / 2**30:.1f} GiB)"
+    return line
 
 
 # --- start and launch -----------------------------------------------------------------------------

@@ -7,8 +7,9 @@ against the plan, the step time and its speed of light.
 OUT holds each part's PART.jsonl (the run's metrics), PART.nvml.json (bench/nvml_peak.py) and
 PART.log (its output, which gpu_all.sh ends with the part's exit status: "through" is 0, the steps,
 validation, checkpoint and export all done). Phases are compared after the first
-step (its own plan, where it had one, is bench/plan_table.py's); "lowest" and "highest" are the
-smallest and largest measured / planned over the phases the run went through.
+step (its own plan, where it had one, is bench/plan_table.py's), the final export's from the log's
+last line; "lowest" and "highest" are the smallest and largest measured / planned over the phases
+the run went through.
 """
 
 import argparse
@@ -18,6 +19,7 @@ import re
 import statistics
 
 from phase_table import PLAIN_HELP, plain_rate, speed_of_light
+from plan_table import export_peak
 
 
 def size(part):
@@ -53,6 +55,9 @@ def row(out, part, plain_tok_s=None):
                 measured = x.get(f"perf/max_memory_allocated_gb/{phase}")
                 if measured is not None and planned:
                     ratios[phase] = max(ratios.get(phase, 0), measured / planned)
+    export = os.path.exists(f"{out}/{part}.log") and export_peak(f"{out}/{part}.log")
+    if export and "perf/planned_memory_gb/export" in later[-1]:
+        ratios["export"] = export / later[-1]["perf/planned_memory_gb/export"]
     if ratios:
         lo, hi = min(ratios, key=ratios.get), max(ratios, key=ratios.get)
         r["lowest"] = f"{ratios[lo]:.2f} ({lo})"

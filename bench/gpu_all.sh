@@ -144,7 +144,7 @@ for part in "${parts[@]}"; do
                  --total_training_steps 3 --test_freq 3 --save_freq 3 --default_local_dir $RUNS/$part ${GIB_FLAGS:-}; r=\$?; \
                  kill -INT \$s; wait \$s; cp $RUNS/$part/metrics.jsonl $OUT/$part.jsonl && \
                  $PY bench/phase_table.py $OUT/$part.jsonl $plain && \
-                 $PY bench/plan_table.py $OUT/$part.jsonl $OUT/$part.nvml.json; test \$r = 0" ;;
+                 $PY bench/plan_table.py $OUT/$part.jsonl $OUT/$part.nvml.json $OUT/$part.log; test \$r = 0" ;;
     # the Qwen3-1.7B tutorial's shape on random weights as on a GPU of G GiB, with what the planner
     # turns on there: one step, and the plan against the peaks. 160 prompts a step, two of the
     # tutorial's mini-batches of 80, not its 1,024: a phase's peak is set by its micro-batches, which

@@ -1,6 +1,6 @@
 """The memory planner's predictions against the measured peaks of a run, phase by phase.
 
-    python bench/plan_table.py RUN/metrics.jsonl [PEAK.json]
+    python bench/plan_table.py RUN/metrics.jsonl [PEAK.json [RUN.log]]
 
 For each phase: the plan's prediction (`perf/planned_memory_gb/<phase>`), the largest measured peak
 (`perf/max_memory_allocated_gb/<phase>`) over the steps after the first, and their ratio; then the
@@ -10,10 +10,12 @@ The plan assumes every response at the length limit: a model that answers shorte
 So the last two columns set the peak beside the plan's arithmetic at the lengths of the step that
 measured it (`perf/predicted_memory_gb/<phase>`, where the run logged it): the test of the
 arithmetic itself. PEAK.json (bench/nvml_peak.py): the GPU memory all the run's processes held, by
-the driver's count.
+the driver's count. RUN.log (the run's output): the final export's peak, from its last line
+(`export: ... s, peak ... GiB`), which comes after the last row of metrics.jsonl.
 """
 
 import json
+import re
 import sys
 
 
@@ -21,9 +23,17 @@ def planned(row):
     return {k.split("/")[-1]: v for k, v in row.items() if k.startswith("perf/planned_memory_gb/")}
 
 
-def table(title, rows):
+def export_peak(log):
+    """The final export's peak in GiB from a run's output, or None (no export, or not on a GPU)."""
+    text = open(log, errors="replace").read()
+    found = re.findall(r"^export: [\d.]+ s, peak ([\d.]+) GiB", text, re.M)
+    return float(found[-1]) if found else None
+
+
+def table(title, rows, export=None):
     """Lines: each phase's prediction (the rows' last) beside the largest peak measured in them,
-    and the prediction at the lengths of the step that measured it."""
+    and the prediction at the lengths of the step that measured it; `export`, the final export's
+    peak, measured after them."""
     plan = planned(rows[-1])
     lines = [
         title,
@@ -33,6 +43,8 @@ def table(title, rows):
     for phase, predicted in plan.items():
         key = f"perf/max_memory_allocated_gb/{phase}"
         measured = [r for r in rows if key in r]
+        if phase == "export" and export is not None:
+            measured = [{key: export}]
         if not measured:
             lines.append(f"{phase:<15} {predicted:>11.1f} {'-':>12}")
             continue
@@ -46,16 +58,17 @@ def table(title, rows):
     return lines
 
 
-def main(path, peak=None):
+def main(path, peak=None, log=None):
     rows = [r for r in map(json.loads, open(path)) if "timing_s/step" in r]
     later = [r for r in rows if r["step"] > 1]
     first = [r for r in rows if r["step"] == 1]
     lines = []
     if later:
         steps = f"steps {later[0]['step']}-{later[-1]['step']}"
-        lines += table(steps, later)
+        lines += table(steps, later, log and export_peak(log))
     if first and (not later or planned(first[0]) != planned(later[-1])):
-        lines += table("step 1" + (" (its own plan)" if later else ""), first)
+        export = None if later else log and export_peak(log)
+        lines += table("step 1" + (" (its own plan)" if later else ""), first, export)
     if peak:
         p = json.load(open(peak))
         lines.append(
@@ -67,4 +80,4 @@ def main(path, peak=None):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

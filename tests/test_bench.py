@@ -74,18 +74,26 @@ def test_plan_table_sets_the_first_steps_own_plan_apart(tmp_path, capsys):
     # is the largest (step 3's 38.0 against its 36.0, not step 2's)
     rows[1]["perf/predicted_memory_gb/update_actor"] = 35.0
     rows[2]["perf/predicted_memory_gb/update_actor"] = 36.0
+    for r in rows[1:]:
+        r["perf/planned_memory_gb/export"] = 8.0
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     peak = tmp_path / "peak.json"
     peak.write_text(json.dumps({"peak_gib": 23.5, "baseline_gib": 0.5, "peak_processes_gib": 23.0}))
-    plan_table.main(str(path), str(peak))
+    # the export, after the last row: its peak from the run's last line
+    log = tmp_path / "run.log"
+    log.write_text("done: 3 steps; ...\nexport: 2.5 s, peak 8.8 GiB (planned 8.0 GiB)\n")
+    plan_table.main(str(path), str(peak), str(log))
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "steps 2-3"
     assert out[2].split() == ["update_actor", "40.0", "38.0", "0.95", "36.0", "1.06"]
     assert out[3].split() == ["save_checkpoint", "8.0", "6.0", "0.75"]
-    assert out[4] == "step 1 (its own plan)"
-    assert out[6].split() == ["update_actor", "50.0", "45.0", "0.90"]
-    assert out[7].startswith("all processes (NVML): 23.5 GiB above the 0.5 GiB")
+    assert out[4].split() == ["export", "8.0", "8.8", "1.10"]
+    assert out[5] == "step 1 (its own plan)"
+    assert out[7].split() == ["update_actor", "50.0", "45.0", "0.90"]
+    assert out[8].startswith("all processes (NVML): 23.5 GiB above the 0.5 GiB")
+    plan_table.main(str(path))  # no log: the export's peak unknown
+    assert capsys.readouterr().out.splitlines()[4].split() == ["export", "8.0", "-"]
 
 
 def test_gib_table_rows_by_hand(tmp_path, capsys):
@@ -100,10 +108,13 @@ def test_gib_table_rows_by_hand(tmp_path, capsys):
         for s, t, g, u in [(1, 40.0, 30.0, 30.0), (2, 17.0, 18.9, 18.0), (3, 19.0, 18.0, 19.0)]
     ]  # fmt: skip
     steps[2] |= {"perf/planned_memory_gb/save_checkpoint": 10.0,
-                 "perf/max_memory_allocated_gb/save_checkpoint": 9.0}  # fmt: skip
+                 "perf/max_memory_allocated_gb/save_checkpoint": 9.0,
+                 "perf/planned_memory_gb/export": 10.0}  # fmt: skip
     (tmp_path / "gib_24.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     (tmp_path / "gib_24.nvml.json").write_text(json.dumps({"peak_gib": 23.96, "baseline_gib": 0.6}))
-    (tmp_path / "gib_24.log").write_text("step 3 ...\n== gib_24: exit 0\n")
+    (tmp_path / "gib_24.log").write_text(
+        "step 3 ...\nexport: 2.0 s, peak 8.7 GiB (planned 10.0 GiB)\n== gib_24: exit 0\n"
+    )
     (tmp_path / "gib_ppo_none.log").write_text(
         "torch.OutOfMemoryError: CUDA out of memory.\n== gib_ppo_none: exit 1\n"
     )
@@ -111,9 +122,10 @@ def test_gib_table_rows_by_hand(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert [c.strip() for c in out[2].split("|")[1:-1]] == [
         # gen 18.9/18 = 1.05, the update 19/20 = 0.95 (step 1's 30 GiB not counted), the
-        # checkpoint 0.90; each step's speed of light 6.25 s (test_speed_of_light_by_hand) at
-        # 2000 tok/s: the median 18 s is 2.88x; step 1 ended 71 s after launch
-        "gib_24", "24 GiB", "through", "24.0", "0.90 (save_checkpoint)", "1.05 (gen)", "18.0",
+        # checkpoint 0.90, the export (its log's line) 0.87; each step's speed of light 6.25 s
+        # (test_speed_of_light_by_hand) at 2000 tok/s: the median 18 s is 2.88x; step 1 ended
+        # 71 s after launch
+        "gib_24", "24 GiB", "through", "24.0", "0.87 (export)", "1.05 (gen)", "18.0",
         "2.88x", "71",
     ]  # fmt: skip
     assert [c.strip() for c in out[3].split("|")[1:-1]] == [

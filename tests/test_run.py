@@ -116,6 +116,16 @@ def test_run_work_counts_each_declared_model():
 # --- the learning rate's schedule -----------------------------------------------------------------
 
 
+def test_export_line_by_hand():
+    """The final export comes after the last metrics row: its time, and on a GPU its peak beside
+    the plan's (19.1 GiB planned, 18.4 measured), as the log's last line."""
+    plan = SimpleNamespace(phases={"export": (19.1 * 2**30, None)})
+    gpu = {"timing_s/export": 3.04, "perf/max_memory_allocated_gb/export": 18.44}
+    assert run.export_line(gpu, plan) == "export: 3.0 s, peak 18.4 GiB (planned 19.1 GiB)"
+    assert run.export_line(gpu, None) == "export: 3.0 s, peak 18.4 GiB"  # no plan
+    assert run.export_line({"timing_s/export": 0.26}, None) == "export: 0.3 s"  # on the CPU
+
+
 def test_lr_lambda_warmup_then_cosine():
     # warmup 2 of 6 steps: (step + 1) / 2 -> 0.5, 1.0
     # cosine after: 0.5 * (1 + cos(pi * (step - 2) / 4)) -> step 2: 1.0, 3: 0.85355, 4: 0.5, 5:

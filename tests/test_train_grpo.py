@@ -11,6 +11,7 @@ model scores unevenly, so groups differ and advantages are non-zero.
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -426,6 +427,8 @@ def test_resume_replays_the_uninterrupted_run(assets, vllm_run):
     second = launch(flags(assets, out, "vllm", 2, "auto"))
     assert second.returncode == 0, second.output[-6000:]
     assert "resumed from" in second.output and "global_step_1" in second.output
+    # the export's time, its last line (no GPU: no peak)
+    assert re.search(r"^export: \d+\.\d s$", second.stdout, re.M)
     resumed, whole = metrics_by_step(out), metrics_by_step(vllm_run)
     assert sorted(resumed) == [0, 1, 2]
     for step in (1, 2):
