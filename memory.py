@@ -17,7 +17,9 @@ phase's peak is what stays resident plus what that phase adds:
                   activations
   update_<role>   resident + fp32 gradients + every layer's activations for the backward (or, with
                   gradient checkpointing, each layer's input and one layer's activations) + the
-                  logits and their gradient (two bf16 copies; --use_fused_kernels: one chunk)
+                  logits and their gradient (two bf16 copies; --use_fused_kernels: one chunk);
+                  AdamW's state offloaded between updates (--optimizer_offload) is back on the
+                  GPU for its model's update
   save_checkpoint resident + the awake engine (they follow a step's weight push) + the largest
   export          tensor gathered
 
@@ -248,7 +250,10 @@ def plan(
         else:  # the saved logits and their gradient (eager: fp32 copies too)
             logits = tokens * share * 2 * s.vocab * (2 if compiled_log_probs else 6)
         grads = 0 if m.param_offload else 4 * m.params / world
-        return resident | {f"{m.role} gradients": grads, "activations": act, "logits": logits}
+        peak = resident | {f"{m.role} gradients": grads, "activations": act, "logits": logits}
+        if m.optimizer_offload and not m.param_offload:  # on the GPU for the update only
+            peak[f"{m.role} AdamW"] = 8 * m.params / world
+        return peak
 
     # each budget key's phases, as functions of the budget
     uses = {}
