@@ -9,7 +9,9 @@ PART.log (its output, which gpu_all.sh ends with the part's exit status: "throug
 validation, checkpoint and export all done). Phases are compared after the first
 step (its own plan, where it had one, is bench/plan_table.py's), the final export's from the log's
 last line; "lowest" and "highest" are the smallest and largest measured / planned over the phases
-the run went through.
+the run went through, against the plan (every response at the length limit) and against its
+arithmetic at the lengths of the step that measured each peak (a model that answers shorter than
+the limit measures less than the plan: the second pair tests the arithmetic).
 """
 
 import argparse
@@ -47,21 +49,23 @@ def row(out, part, plain_tok_s=None):
         nvml = f"{p['peak_gib']:.1f}"
     r = dict(part=part, gpu=size(part), status=status, nvml=nvml)
     later = [x for x in rows if x["step"] > 1] or rows
-    ratios = {}
-    for x in later:
-        for k, planned in x.items():
-            if k.startswith("perf/planned_memory_gb/"):
-                phase = k.split("/")[-1]
-                measured = x.get(f"perf/max_memory_allocated_gb/{phase}")
-                if measured is not None and planned:
-                    ratios[phase] = max(ratios.get(phase, 0), measured / planned)
     export = os.path.exists(f"{out}/{part}.log") and export_peak(f"{out}/{part}.log")
-    if export and "perf/planned_memory_gb/export" in later[-1]:
-        ratios["export"] = export / later[-1]["perf/planned_memory_gb/export"]
-    if ratios:
-        lo, hi = min(ratios, key=ratios.get), max(ratios, key=ratios.get)
-        r["lowest"] = f"{ratios[lo]:.2f} ({lo})"
-        r["highest"] = f"{ratios[hi]:.2f} ({hi})"
+    # against the plan (every response at the length limit), and against its arithmetic at the
+    # lengths of the step that measured the peak (the export's does not depend on them)
+    for name, prefix in (("", "perf/planned_memory_gb/"), ("at_", "perf/predicted_memory_gb/")):
+        ratios = {}
+        for x in later:
+            for k, predicted in x.items():
+                phase = k.removeprefix(prefix)
+                measured = x.get(f"perf/max_memory_allocated_gb/{phase}")
+                if k.startswith(prefix) and measured is not None and predicted:
+                    ratios[phase] = max(ratios.get(phase, 0), measured / predicted)
+        if export and f"{prefix}export" in later[-1]:
+            ratios["export"] = export / later[-1][f"{prefix}export"]
+        if ratios:
+            lo, hi = min(ratios, key=ratios.get), max(ratios, key=ratios.get)
+            r[f"{name}lowest"] = f"{ratios[lo]:.2f} ({lo})"
+            r[f"{name}highest"] = f"{ratios[hi]:.2f} ({hi})"
     steady = rows[1:]
     if steady:
         step = statistics.median(x["timing_s/step"] for x in steady)
@@ -81,6 +85,8 @@ COLUMNS = [
     ("nvml", "all processes GiB"),
     ("lowest", "lowest measured/planned"),
     ("highest", "highest measured/planned"),
+    ("at_lowest", "lowest at its lengths"),
+    ("at_highest", "highest at its lengths"),
     ("step", "step s"),
     ("sol", "x speed of light"),
     ("first", "step 1 ended s"),

@@ -104,12 +104,15 @@ def test_gib_table_rows_by_hand(tmp_path, capsys):
         ROW | {"step": s, "timing_s/step": t, "timing_s/since_launch": 70.0 + s,
                "perf/planned_memory_gb/gen": 18.0, "perf/max_memory_allocated_gb/gen": g,
                "perf/planned_memory_gb/update_actor": 20.0,
-               "perf/max_memory_allocated_gb/update_actor": u}
+               "perf/max_memory_allocated_gb/update_actor": u,
+               "perf/predicted_memory_gb/gen": 18.0,
+               "perf/predicted_memory_gb/update_actor": 17.0}
         for s, t, g, u in [(1, 40.0, 30.0, 30.0), (2, 17.0, 18.9, 18.0), (3, 19.0, 18.0, 19.0)]
     ]  # fmt: skip
     steps[2] |= {"perf/planned_memory_gb/save_checkpoint": 10.0,
                  "perf/max_memory_allocated_gb/save_checkpoint": 9.0,
-                 "perf/planned_memory_gb/export": 10.0}  # fmt: skip
+                 "perf/planned_memory_gb/export": 10.0,
+                 "perf/predicted_memory_gb/export": 10.0}  # fmt: skip
     (tmp_path / "gib_24.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     (tmp_path / "gib_24.nvml.json").write_text(json.dumps({"peak_gib": 23.96, "baseline_gib": 0.6}))
     (tmp_path / "gib_24.log").write_text(
@@ -122,14 +125,16 @@ def test_gib_table_rows_by_hand(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert [c.strip() for c in out[2].split("|")[1:-1]] == [
         # gen 18.9/18 = 1.05, the update 19/20 = 0.95 (step 1's 30 GiB not counted), the
-        # checkpoint 0.90, the export (its log's line) 0.87; each step's speed of light 6.25 s
-        # (test_speed_of_light_by_hand) at 2000 tok/s: the median 18 s is 2.88x; step 1 ended
-        # 71 s after launch
-        "gib_24", "24 GiB", "through", "24.0", "0.87 (export)", "1.05 (gen)", "18.0",
-        "2.88x", "71",
+        # checkpoint 0.90, the export (its log's line) 0.87; at each step's lengths the update
+        # 19/17 = 1.12 (no checkpoint's arithmetic logged: not counted); each step's speed of
+        # light 6.25 s (test_speed_of_light_by_hand) at 2000 tok/s: the median 18 s is 2.88x;
+        # step 1 ended 71 s after launch
+        "gib_24", "24 GiB", "through", "24.0", "0.87 (export)", "1.05 (gen)", "0.87 (export)",
+        "1.12 (update_actor)", "18.0", "2.88x", "71",
     ]  # fmt: skip
     assert [c.strip() for c in out[3].split("|")[1:-1]] == [
-        "gib_ppo_none", "the GPU's own", "out of memory", "-", "-", "-", "-", "-", "-",
+        "gib_ppo_none", "the GPU's own", "out of memory", "-", "-", "-", "-", "-", "-", "-",
+        "-",
     ]  # fmt: skip
 
 
