@@ -14,13 +14,12 @@ arithmetic at the lengths of the step that measured each peak (a model that answ
 the limit measures less than the plan: the second pair tests the arithmetic).
 """
 
-import argparse
 import json
 import os
 import re
 import statistics
 
-from phase_table import PLAIN_HELP, plain_rate, speed_of_light
+from phase_table import command, speed_of_light
 from plan_table import export_peak
 
 
@@ -104,8 +103,4 @@ def main(out, plain_tok_s=None):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("out")
-    p.add_argument("--plain_tok_s", default=None, help=PLAIN_HELP)
-    a = p.parse_args()
-    main(a.out, plain_rate(a.plain_tok_s))
+    command(main, "out")

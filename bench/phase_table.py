@@ -115,9 +115,14 @@ def main(path, plain_tok_s=None):
         print("median peak GiB per phase: " + ", ".join(f"{p} {v:.1f}" for p, v in peaks.items()))
 
 
-if __name__ == "__main__":
+def command(main, positional):
+    """`main(<positional>, plain_tok_s)` from the command line (this table's and gib_table's)."""
     p = argparse.ArgumentParser()
-    p.add_argument("metrics")
+    p.add_argument(positional)
     p.add_argument("--plain_tok_s", default=None, help=PLAIN_HELP)
     a = p.parse_args()
-    main(a.metrics, plain_rate(a.plain_tok_s))
+    main(getattr(a, positional), plain_rate(a.plain_tok_s))
+
+
+if __name__ == "__main__":
+    command(main, "metrics")
