@@ -20,7 +20,7 @@ import re
 import statistics
 
 from phase_table import command, speed_of_light
-from plan_table import export_peak
+from plan_table import compare, export_peak
 
 
 def size(part):
@@ -34,7 +34,7 @@ def row(out, part, plain_tok_s=None):
     rows = []
     if os.path.exists(f"{out}/{part}.jsonl"):
         rows = [r for r in map(json.loads, open(f"{out}/{part}.jsonl")) if "timing_s/step" in r]
-    status = "-"
+    status, log = "-", ""
     if os.path.exists(f"{out}/{part}.log"):
         log = open(f"{out}/{part}.log", errors="replace").read()
         ended = re.findall(r"^== \S+: exit (\d+)$", log, re.M)
@@ -48,19 +48,11 @@ def row(out, part, plain_tok_s=None):
         nvml = f"{p['peak_gib']:.1f}"
     r = dict(part=part, gpu=size(part), status=status, nvml=nvml)
     later = [x for x in rows if x["step"] > 1] or rows
-    export = os.path.exists(f"{out}/{part}.log") and export_peak(f"{out}/{part}.log")
     # against the plan (every response at the length limit), and against its arithmetic at the
-    # lengths of the step that measured the peak (the export's does not depend on them)
-    for name, prefix in (("", "perf/planned_memory_gb/"), ("at_", "perf/predicted_memory_gb/")):
-        ratios = {}
-        for x in later:
-            for k, predicted in x.items():
-                phase = k.removeprefix(prefix)
-                measured = x.get(f"perf/max_memory_allocated_gb/{phase}")
-                if k.startswith(prefix) and measured is not None and predicted:
-                    ratios[phase] = max(ratios.get(phase, 0), measured / predicted)
-        if export and f"{prefix}export" in later[-1]:
-            ratios["export"] = export / later[-1][f"{prefix}export"]
+    # lengths of the step that measured the peak, as bench/plan_table.py sets them side by side
+    compared = compare(later, export_peak(log)) if later else []
+    for name, column in (("", 1), ("at_", 3)):
+        ratios = {c[0]: c[2] / c[column] for c in compared if c[2] is not None and c[column]}
         if ratios:
             lo, hi = min(ratios, key=ratios.get), max(ratios, key=ratios.get)
             r[f"{name}lowest"] = f"{ratios[lo]:.2f} ({lo})"
