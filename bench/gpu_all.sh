@@ -17,8 +17,9 @@
 #                                   # GPU of 24, 40, 80 GiB (--gpu_memory_gib) and on the GPU itself, 3 steps, the
 #                                   # last validated, checkpointed and exported: the plan against the peaks, and
 #                                   # every process's memory by NVML (bench/nvml_peak.py); qwen3_gib_80,
-#                                   # qwen3_gib_40: one step of the random Qwen3-1.7B with what the planner
-#                                   # chose (160 prompts: the tutorial's micro-batches and plan); then
+#                                   # qwen3_gib_40, qwen3_gib_none: one step of the random Qwen3-1.7B with
+#                                   # what the planner chose (160 prompts: the tutorial's micro-batches and
+#                                   # plan); then
 #                                   # `python bench/gib_table.py $OUT`: one row per size
 #   bash bench/gpu_all.sh card trl  # TRL 1.16.0's GRPOTrainer at the same shape, model and data
 #                                   # (bench/trl_grpo.py, 5 steps; TRL's wheels in .whl/trl, docs/gpu.md),
@@ -150,10 +151,10 @@ for part in "${parts[@]}"; do
     # tutorial's mini-batches of 80, not its 1,024: a phase's peak is set by its micro-batches, which
     # either batch fills to the budget (random weights answer at the length limit), so the plan is
     # the same (--print_plan) and the step a sixth as long
-    qwen3_gib_*) g=${part##*_}
+    qwen3_gib_*) g=${part##*_}; cap=""; [ "$g" != none ] && cap="--gpu_memory_gib $g"
             cmd="$make_qwen3 && rm -rf $RUNS/$part; $PY bench/nvml_peak.py --out $OUT/$part.nvml.json & \
                  s=\$!; $PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $qwen3 $data \
-                 --gpu_memory_gib $g --total_training_steps 1 --val_before_train false --test_freq -1 \
+                 $cap --total_training_steps 1 --val_before_train false --test_freq -1 \
                  --export_final false --train_batch_size 160 --rollout_n 3 --ppo_mini_batch_size 80 \
                  --max_response_length 1024 --default_local_dir $RUNS/$part; r=\$?; kill -INT \$s; wait \$s; \
                  cp $RUNS/$part/metrics.jsonl $OUT/$part.jsonl && $PY bench/phase_table.py $OUT/$part.jsonl \
