@@ -291,6 +291,62 @@ def test_an_offloaded_adamw_state_is_planned_back_on_the_gpu_for_its_update():
     )
 
 
+def test_ppos_plans_at_24_and_40_gib_against_an_h100_run_as_those_gpus(tmp_path, monkeypatch):
+    """The README's PPO command with --gpu_memory_gib 24 and 40 on one H100 (2026-12-05,
+    docs/runs/gib_ppo_{24,40}_h100_*), the offloaded AdamW state counted in its update: the
+    switches and budgets the planner chose there, and each phase's prediction at the lengths of
+    steps 2-3 within 15% above and never more than 10% below their measured peaks (both runs went
+    through, every process together at most 23.3 and 36.6 GiB by NVML)."""
+    import torch
+    from transformers import AutoConfig
+
+    import train_ppo
+
+    config = {k: v for k, v in vars(QWEN25_05B).items() if k != "model_type"}
+    AutoConfig.for_model("qwen2", **config).save_pretrained(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train_ppo.py"])
+    runs = {  # the switches chosen, the budgets (update, log-prob, critic), the engine's share, then
+        # each step's prompt and response means and its peaks in GiB: gen, old_log_prob, values,
+        # update_actor, update_critic (and the checkpoint after the last)
+        24: (
+            ("use_fused_kernels", "ref_param_offload", "critic_optimizer_offload",
+             "enable_gradient_checkpointing", "critic_enable_gradient_checkpointing"),
+            (49152, 65536, 35840), 0.33,
+            [(105.1, 274.0, 18.07, 12.20, 11.15, 15.28, 17.42),
+             (104.2, 282.7, 18.07, 12.20, 11.17, 15.26, 17.42)],
+            17.51,
+        ),
+        40: (
+            ("use_fused_kernels", "ref_param_offload", "critic_optimizer_offload"),
+            (18432, 65536, 18432), 0.56,
+            [(105.1, 281.3, 32.55, 12.20, 10.75, 27.95, 27.53),
+             (104.2, 289.9, 32.55, 12.20, 10.76, 28.31, 27.90)],
+            32.00,
+        ),
+    }  # fmt: skip
+    for gib, (chosen, budgets, share, steps, checkpoint) in runs.items():
+        args = dataclasses.replace(
+            train_ppo.Args(), model=str(tmp_path), critic_model=str(tmp_path), gpu_memory_gib=gib
+        )
+        specs = [m for m in train_ppo.models(args) if m]
+        p = memory.plan_memory(args, specs, 1, torch.device("cpu"), 105, cli.given_flags())
+        assert p.good, p.table()
+        assert [n.split()[2][2:] for n in p.notes if n.startswith("turned on")] == list(chosen)
+        assert (
+            args.ppo_max_token_len_per_gpu,
+            args.log_prob_max_token_len_per_gpu,
+            args.critic_ppo_max_token_len_per_gpu,
+        ) == budgets
+        assert args.gpu_memory_utilization == share and not args.optimizer_offload
+        phases = ("gen", "old_log_prob", "values", "update_actor", "update_critic")
+        for prompt, response, *peaks in steps:
+            at = p.at(prompt, response)
+            for phase, peak in zip(phases, peaks):
+                assert 0.9 * peak <= at[phase] / GiB <= 1.15 * peak, (gib, phase, at[phase] / GiB)
+        at = p.phases["save_checkpoint"][0] / GiB
+        assert 0.9 * checkpoint <= at <= 1.15 * checkpoint, (gib, at)
+
+
 def test_the_chunked_output_layer_leaves_a_pass_without_gradients_one_chunk_of_logits():
     """--use_fused_kernels in the passes without gradients too: a chunk of logits where the whole
     micro-batch's were (its response tokens' bf16 logits: 26,624 of them in a 37,888-token
