@@ -57,10 +57,11 @@ def row(out, part, plain_tok_s=None):
             lo, hi = min(ratios, key=ratios.get), max(ratios, key=ratios.get)
             r[f"{name}lowest"] = f"{ratios[lo]:.2f} ({lo})"
             r[f"{name}highest"] = f"{ratios[hi]:.2f} ({hi})"
-    steady = rows[1:]
+    # the steps after the first; a one-step run (the qwen3_gib parts) its first, which compiles
+    steady = rows[1:] or rows
     if steady:
         step = statistics.median(x["timing_s/step"] for x in steady)
-        r["step"] = f"{step:.1f}"
+        r["step"] = f"{step:.1f}" + (" (step 1)" if len(rows) == 1 else "")
         if "perf/peak_tflops" in steady[0]:
             sol = statistics.median(speed_of_light(x, plain_tok_s) for x in steady)
             r["sol"] = f"{step / sol:.2f}x"

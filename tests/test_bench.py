@@ -97,9 +97,9 @@ def test_plan_table_sets_the_first_steps_own_plan_apart(tmp_path, capsys):
 
 
 def test_gib_table_rows_by_hand(tmp_path, capsys):
-    """A run that went through (3 steps, exit 0) and one that ran out of memory in step 1: the
-    driver's peak, the lowest and highest measured / planned after the first step, the median
-    step against its speed of light."""
+    """A run that went through (3 steps, exit 0), one that ran out of memory in step 1 and a
+    one-step run: the driver's peak, the lowest and highest measured / planned after the first
+    step (of the first where it is the only one), the median step against its speed of light."""
     steps = [
         ROW | {"step": s, "timing_s/step": t, "timing_s/since_launch": 70.0 + s,
                "perf/planned_memory_gb/gen": 18.0, "perf/max_memory_allocated_gb/gen": g,
@@ -121,6 +121,8 @@ def test_gib_table_rows_by_hand(tmp_path, capsys):
     (tmp_path / "gib_ppo_none.log").write_text(
         "torch.OutOfMemoryError: CUDA out of memory.\n== gib_ppo_none: exit 1\n"
     )
+    (tmp_path / "qwen3_gib_40.jsonl").write_text(json.dumps(steps[0]) + "\n")
+    (tmp_path / "qwen3_gib_40.log").write_text("== qwen3_gib_40: exit 0\n")
     gib_table.main(str(tmp_path), 2000.0)
     out = capsys.readouterr().out.splitlines()
     assert [c.strip() for c in out[2].split("|")[1:-1]] == [
@@ -135,6 +137,12 @@ def test_gib_table_rows_by_hand(tmp_path, capsys):
     assert [c.strip() for c in out[3].split("|")[1:-1]] == [
         "gib_ppo_none", "the GPU's own", "out of memory", "-", "-", "-", "-", "-", "-", "-",
         "-",
+    ]  # fmt: skip
+    # one step only (the qwen3_gib parts): step 1's peaks, the update 30/20 = 1.50 and gen
+    # 30/18 = 1.67, at its lengths gen 1.67 and the update 30/17 = 1.76; its 40 s against 6.25 s
+    assert [c.strip() for c in out[4].split("|")[1:-1]] == [
+        "qwen3_gib_40", "40 GiB", "through", "-", "1.50 (update_actor)", "1.67 (gen)",
+        "1.67 (gen)", "1.76 (update_actor)", "40.0 (step 1)", "6.40x", "71",
     ]  # fmt: skip
 
 

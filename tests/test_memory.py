@@ -305,9 +305,10 @@ def test_ppos_plans_at_24_and_40_gib_against_an_h100_run_as_those_gpus(tmp_path,
     config = {k: v for k, v in vars(QWEN25_05B).items() if k != "model_type"}
     AutoConfig.for_model("qwen2", **config).save_pretrained(tmp_path)
     monkeypatch.setattr(sys, "argv", ["train_ppo.py"])
-    runs = {  # the switches chosen, the budgets (update, log-prob, critic), the engine's share, then
-        # each step's prompt and response means and its peaks in GiB: gen, old_log_prob, values,
-        # update_actor, update_critic (and the checkpoint after the last)
+    # the switches chosen, the budgets (update, log-prob, critic), the engine's share, then each
+    # step's prompt and response means and its peaks in GiB: gen, old_log_prob, values,
+    # update_actor, update_critic (and the checkpoint after the last)
+    runs = {
         24: (
             ("use_fused_kernels", "ref_param_offload", "critic_optimizer_offload",
              "enable_gradient_checkpointing", "critic_enable_gradient_checkpointing"),
