@@ -32,10 +32,9 @@ to its budget (or holding the whole pass, when that is less), so the plan holds 
 responses; a model that answers shorter uses less (`Plan.at` redoes the arithmetic at a step's mean
 lengths, for its measured peaks to be set beside). Two constants are measured, not derived: the
 activations a token keeps per layer (eager and compiled, `shapes.ACT_EAGER` /
-`shapes.ACT_COMPILED`, against one
-H200's peaks, docs/benchmarks.md). Everything is in bytes; the table prints GiB, as
-`perf/max_memory_allocated_gb/<phase>` logs them (torch's allocated bytes, without its cache or the
-CUDA context: `usable` leaves room for those).
+`shapes.ACT_COMPILED`, against one H200's peaks, docs/benchmarks.md). Everything is in bytes; the
+table prints GiB, as `perf/max_memory_allocated_gb/<phase>` logs them (torch's allocated bytes,
+without its cache or the CUDA context: `usable` leaves room for those).
 
 --gpu_memory_gib G plans for a GPU of G GiB and, on a larger one, makes the run behave as on that
 one (`fence`): torch's allocations in the trainer capped at G less what else holds the GPU (the

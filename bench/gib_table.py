@@ -57,13 +57,12 @@ def row(out, part, plain_tok_s=None):
             lo, hi = min(ratios, key=ratios.get), max(ratios, key=ratios.get)
             r[f"{name}lowest"] = f"{ratios[lo]:.2f} ({lo})"
             r[f"{name}highest"] = f"{ratios[hi]:.2f} ({hi})"
-    # the steps after the first; a one-step run (the qwen3_gib parts) its first, which compiles
-    steady = rows[1:] or rows
-    if steady:
-        step = statistics.median(x["timing_s/step"] for x in steady)
-        r["step"] = f"{step:.1f}" + (" (step 1)" if len(rows) == 1 else "")
-        if "perf/peak_tflops" in steady[0]:
-            sol = statistics.median(speed_of_light(x, plain_tok_s) for x in steady)
+    # the same steps' times: a one-step run's (the qwen3_gib parts) its first, which compiles
+    if later:
+        step = statistics.median(x["timing_s/step"] for x in later)
+        r["step"] = f"{step:.1f}" + (" (step 1)" if later[0]["step"] == 1 else "")
+        if "perf/peak_tflops" in later[0]:
+            sol = statistics.median(speed_of_light(x, plain_tok_s) for x in later)
             r["sol"] = f"{step / sol:.2f}x"
     if rows and "timing_s/since_launch" in rows[0]:
         r["first"] = f"{rows[0]['timing_s/since_launch']:.0f}"
