@@ -298,13 +298,9 @@ def test_ppos_plans_at_24_and_40_gib_against_an_h100_run_as_those_gpus(tmp_path,
     steps 2-3 within 15% above and never more than 10% below their measured peaks (both runs went
     through, every process together at most 23.3 and 36.6 GiB by NVML)."""
     import torch
-    from transformers import AutoConfig
 
     import train_ppo
 
-    config = {k: v for k, v in vars(QWEN25_05B).items() if k != "model_type"}
-    AutoConfig.for_model("qwen2", **config).save_pretrained(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["train_ppo.py"])
     # the switches chosen, the budgets (update, log-prob, critic), the engine's share, then each
     # step's prompt and response means and its peaks in GiB: gen, old_log_prob, values,
     # update_actor, update_critic (and the checkpoint after the last)
@@ -326,10 +322,7 @@ def test_ppos_plans_at_24_and_40_gib_against_an_h100_run_as_those_gpus(tmp_path,
         ),
     }  # fmt: skip
     for gib, (chosen, budgets, share, steps, checkpoint) in runs.items():
-        args = dataclasses.replace(
-            train_ppo.Args(), model=str(tmp_path), critic_model=str(tmp_path), gpu_memory_gib=gib
-        )
-        specs = [m for m in train_ppo.models(args) if m]
+        args, specs = script_args(train_ppo, QWEN25_05B, tmp_path, monkeypatch, gpu_memory_gib=gib)
         p = memory.plan_memory(args, specs, 1, torch.device("cpu"), 105, cli.given_flags())
         assert p.good, p.table()
         assert [n.split()[2][2:] for n in p.notes if n.startswith("turned on")] == list(chosen)
@@ -382,20 +375,27 @@ def test_qwen3_fits_an_80gb_gpu_not_a_24gb_one_unless_the_switches_are_on():
     assert offloaded.fits, offloaded.table()
 
 
-def qwen3_args(tmp_path, monkeypatch, argv=(), **kw):
-    """GRPO's Args for the Qwen3-1.7B tutorial's shape (a config folder), argv as given."""
-    import dataclasses
-
+def script_args(script, shape, tmp_path, monkeypatch, argv=(), **kw):
+    """A train script's Args for a model of `shape` (its config written to tmp_path, the model and
+    any critic's), `argv` as the command line, then `kw`; and the models it declares."""
     from transformers import AutoConfig
 
+    config = dict(vars(shape))
+    AutoConfig.for_model(config.pop("model_type"), **config).save_pretrained(tmp_path)
+    monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", *argv])
+    models = dict(model=str(tmp_path))
+    if hasattr(script.Args, "critic_model"):
+        models["critic_model"] = str(tmp_path)
+    args = dataclasses.replace(script.Args(), **models, **kw)
+    return args, [m for m in script.models(args) if m]
+
+
+def qwen3_args(tmp_path, monkeypatch, argv=(), **kw):
+    """GRPO's Args for the Qwen3-1.7B tutorial's shape (a config folder), argv as given."""
     import train_grpo
 
-    config = {k: v for k, v in vars(QWEN3_17B).items() if k != "model_type"}
-    AutoConfig.for_model("qwen3", **config).save_pretrained(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["train_grpo.py", *argv])
     shape = dict(train_batch_size=1024, ppo_mini_batch_size=256, max_response_length=1024)
-    args = dataclasses.replace(train_grpo.Args(), model=str(tmp_path), **shape, **kw)
-    return args, [m for m in train_grpo.models(args) if m]
+    return script_args(train_grpo, QWEN3_17B, tmp_path, monkeypatch, argv, **shape, **kw)
 
 
 def test_where_the_defaults_do_not_fit_the_planner_turns_on_switches_until_they_do(
@@ -798,7 +798,6 @@ def test_the_eager_first_step_plans_eager_budgets_and_gives_the_compiled_ones_ba
     given meanwhile. After it the compiled plan, budgets and output layer are back, the compiler's
     stance too, and the step's passes compile on the helper's made-up batch (15 x (8 + 1,024)
     tokens: 14,848 response tokens, whose logits pass 2**31 elements at 151,936 wide)."""
-    import dataclasses
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -807,13 +806,9 @@ def test_the_eager_first_step_plans_eager_budgets_and_gives_the_compiled_ones_ba
     import train_grpo
     from bench.tiny import tiny_config
 
-    config = {k: v for k, v in vars(QWEN25_05B).items() if k != "model_type"}
-    AutoConfig.for_model("qwen2", **config).save_pretrained(tmp_path)
     monkeypatch.setattr(metrics.Timer, "release_cache", False)
-    monkeypatch.setattr(sys, "argv", ["train_grpo.py"])
-    args = dataclasses.replace(train_grpo.Args(), model=str(tmp_path), gpu_memory_gib=139.8)
+    args, specs = script_args(train_grpo, QWEN25_05B, tmp_path, monkeypatch, gpu_memory_gib=139.8)
     # planned as on the GPU (nothing here runs on it)
-    specs = [m for m in train_grpo.models(args) if m]
     r = run.Run(args, 0, 1, torch.device("cuda"), specs)
     r.given, r.prompt_len = set(), 105
     r.plan = run.plan_memory(r, 1, 105)
