@@ -27,6 +27,8 @@ def medians(path):
     """{row name: median over steps 2.. (step 1 alone if it is the only one)}, and step 1's end
     after launch."""
     rows = [r for r in map(json.loads, open(path)) if "timing_s/step" in r]
+    if not rows:
+        raise SystemExit(f"{path}: no step ended (its run's log says why)")
     steady = rows[1:] or rows
     out = {
         f"{p} s": statistics.median(r[f"timing_s/{p}"] for r in steady)

@@ -22,10 +22,12 @@
 #                                   # plan); then
 #                                   # `python bench/gib_table.py $OUT`: one row per size
 #   bash bench/gpu_all.sh card trl  # TRL 1.16.0's GRPOTrainer at the same shape, model and data
-#                                   # (bench/trl_grpo.py, 5 steps; TRL's wheels in .whl/trl, docs/gpu.md),
-#                                   # then its steps beside the card part's (bench/ab_table.py: A = TRL)
+#                                   # (bench/trl_grpo.py, TRL_STEPS=5 steps; TRL's wheels in .whl/trl,
+#                                   # docs/gpu.md), then its steps beside the card part's (bench/ab_table.py:
+#                                   # A = TRL)
 #   bash bench/gpu_all.sh card verl  # verl's GRPO tutorial command at the same model and data (verl 0.9.1;
-#                                   # bench/verl_grpo.py, 3 steps, its raw log kept), then beside the card run
+#                                   # bench/verl_grpo.py, VERL_STEPS=3 steps, its raw log kept), then beside
+#                                   # the card run
 #   bash bench/gpu_all.sh plan_grpo plan_ppo  # the same, 3 steps, on a random-init model of Qwen2.5-0.5B's shape
 #                                   # (responses at the length limit, as the planner plans them)
 #   bash bench/gpu_all.sh grpo_compiled  # 5 GRPO steps, update compiled, 49k/64k-token micro-batches
@@ -160,13 +162,13 @@ for part in "${parts[@]}"; do
                  cp $RUNS/$part/metrics.jsonl $OUT/$part.jsonl && $PY bench/phase_table.py $OUT/$part.jsonl \
                  $plain && $PY bench/plan_table.py $OUT/$part.jsonl $OUT/$part.nvml.json; test \$r = 0" ;;
     trl)    cmd="rm -rf $RUNS/trl; PYTHONPATH=/tmp/trlsite:\${PYTHONPATH:-} $PY bench/trl_grpo.py --model $MODEL \
-                 --train_files $DATA/train.parquet --out $RUNS/trl --steps 5 && cp $RUNS/trl/trl_steps.jsonl \
+                 --train_files $DATA/train.parquet --out $RUNS/trl --steps ${TRL_STEPS:-5} && cp $RUNS/trl/trl_steps.jsonl \
                  $OUT/trl.jsonl && if [ -f $OUT/card.jsonl ]; then $PY bench/ab_table.py $OUT/trl.jsonl \
                  $OUT/card.jsonl; fi" ;;
     # vLLM as verl runs it (its own processes): not this project's in-process setting
     verl)   cmd="rm -rf $RUNS/verl; env -u VLLM_ENABLE_V1_MULTIPROCESSING PYTHONPATH=/tmp/verlsite:\${PYTHONPATH:-} \
                  $PY bench/verl_grpo.py --model $MODEL \
-                 --data $DATA --out $RUNS/verl --steps 3; r=\$?; cp $RUNS/verl/verl.log $OUT/verl.log; \
+                 --data $DATA --out $RUNS/verl --steps ${VERL_STEPS:-3}; r=\$?; cp $RUNS/verl/verl.log $OUT/verl.log; \
                  cp $RUNS/verl/verl_steps.jsonl $OUT/verl.jsonl && if [ -f $OUT/card.jsonl ]; then \
                  $PY bench/ab_table.py $OUT/verl.jsonl $OUT/card.jsonl; fi; test \$r = 0" ;;
     card_compile) cmd="$PY -m torch.distributed.run --nproc_per_node=1 bench/compile_times.py train_grpo.py \

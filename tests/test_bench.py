@@ -234,6 +234,10 @@ def test_ab_table_by_hand(tmp_path, capsys):
     out = capsys.readouterr().out
     table = {line[:24].strip(): line[24:].split() for line in out.splitlines()[1:]}
     assert table == {"step s": ["75", "23", "0.307"], "step 1 ended s": ["146", "90", "0.616"]}
+    # a run that ended before its first step: said so, naming its file, and no table
+    (tmp_path / "failed.jsonl").write_text("")
+    with pytest.raises(SystemExit, match="failed.jsonl: no step ended"):
+        ab_table.main(str(tmp_path / "failed.jsonl"), b)
 
 
 def test_learn_table_by_hand(tmp_path, capsys):
