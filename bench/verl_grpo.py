@@ -6,8 +6,9 @@ GPU, model and data (docs/performance.md, "Against verl and TRL").
 Runs `python3 -m verl.trainer.main_ppo` with the flags of verl's GRPO walkthrough (VERL_FLAGS:
 256 prompts x 5, responses up to 1,024 tokens, micro-batches of 4 sequences a GPU in the update and
 8 in the log-prob passes, vLLM at 0.4 of the GPU, KL loss k3 0.001, lr 1e-6), the model and data
-paths and --steps in place of its epochs, no checkpoint or validation (the step's time alone); more
-verl keys after the flags override or add to them.
+paths and --steps in place of its epochs, no checkpoint or validation (the step's time alone), and
+PyTorch's SDPA attention without packed sequences where flash-attn is not installed
+(NO_FLASH_ATTN_FLAGS); more verl keys after the flags override or add to them.
 Writes the command and verl's output as it came to OUT/verl.log (the raw log), and
 OUT/verl_steps.jsonl: a row per step of verl's numbers as its console logger prints them
 (`step:N - timing_s/step:283.1 - ...`; timing_s/step, gen, old_log_prob, ref, update_actor are
@@ -17,6 +18,7 @@ measured), ray and vllm beside the torch they pin; not part of requirements-*.tx
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -53,6 +55,15 @@ VERL_FLAGS = [
     "trainer.test_freq=-1",
 ]
 
+# Without flash-attn (no wheel of it for the GPU machine's torch), the model's attention is
+# PyTorch's SDPA, and verl's packed sequences (use_remove_padding, on by default) would attend
+# across each other there: transformers 5.19 builds no per-sequence mask for SDPA from
+# position_ids. verl then runs padded micro-batches instead (slower, but each sequence attends to
+# itself only).
+NO_FLASH_ATTN_FLAGS = [
+    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    "actor_rollout_ref.model.use_remove_padding=False",
+]
 # a console line, perhaps behind Ray's prefix for the process that printed it: "(TaskRunner
 # pid=123) step:2 - timing_s/step:283.1 - critic/score/mean:np.float64(0.25)"
 STEP = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
@@ -84,6 +95,8 @@ def main():
 
     data = os.path.expanduser(a.data)
     command = [sys.executable, "-m", "verl.trainer.main_ppo"] + VERL_FLAGS
+    if importlib.util.find_spec("flash_attn") is None:
+        command += NO_FLASH_ATTN_FLAGS
     command += [
         f"data.train_files={data}/train.parquet",
         f"data.val_files={data}/test.parquet",

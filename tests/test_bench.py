@@ -815,6 +815,10 @@ def test_verl_grpo_keeps_the_raw_log_and_each_steps_numbers(tmp_path):
         "import sys\n"
         "assert 'actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4' in sys.argv\n"
         "assert 'trainer.total_training_steps=2' in sys.argv and sys.argv[-1] == 'trainer.seed=3'\n"
+        "import importlib.util\n"  # SDPA without packed sequences where flash-attn is missing
+        "sdpa = '+actor_rollout_ref.model.override_config.attn_implementation=sdpa' in sys.argv\n"
+        "assert sdpa == (importlib.util.find_spec('flash_attn') is None)\n"
+        "assert sdpa == ('actor_rollout_ref.model.use_remove_padding=False' in sys.argv)\n"
         "print('(TaskRunner pid=7) step:1 - timing_s/gen:30.5 - timing_s/step:290.0 - '\n"
         "      'x:np.int64(4)')\n"
         "print('some other line')\n"
