@@ -92,7 +92,8 @@ if os.environ["RANK"] == "1":
         f"reward function compute_score in {path} raised ValueError: a sample this function "
         "cannot read on sample 0"
     ) in proc.output, proc.output[-6000:]
-    assert "[rank 1] Traceback" in proc.output and "[rank 0] stopping: rank 1 failed" in proc.output
+    assert "[rank 1] Traceback" in proc.output, proc.output[-6000:]
+    assert "[rank 0] stopping: rank 1 failed" in proc.output, proc.output[-6000:]
     # torchrun's summary names rank 1's error as the root cause, not rank 0's closed connection
     root_cause = proc.output.split("Root Cause (first observed failure):")[1].split("exitcode")[0]
     assert re.search(r"rank\s*: 1 ", root_cause), proc.output[-3000:]
