@@ -111,6 +111,8 @@ scale_run() {
         --tensor_model_parallel_size $2 --default_local_dir $RUNS/$4 ${*:5}; s=\$?; \
         cp $RUNS/$4/metrics.jsonl $OUT/$4.jsonl; $PY bench/phase_table.py $RUNS/$4/metrics.jsonl; test \$s = 0"
 }
+# a part named ..._G runs as on a GPU of G GiB; ..._none, at the GPU's own size
+gib_cap() { [ "${1##*_}" = none ] || echo "--gpu_memory_gib ${1##*_}"; }
 parts=()
 for part in "$@"; do
   if [ "$part" = scale ]; then parts+=(scale_1 scale_tp1 scale_tp2 scale_ppo scale_table); else parts+=("$part"); fi
@@ -140,8 +142,8 @@ for part in "${parts[@]}"; do
     # processes held, by NVML, beside the plan's phases against their measured peaks. GIB_FLAGS, GIB_ENV:
     # more flags, and VAR=value settings, for a variant (e.g. GIB_FLAGS="--use_fused_kernels true",
     # GIB_ENV=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True where a phase ran out in pieces)
-    gib_*|gib_ppo_*) g=${part##*_}; script=train_grpo.py; [[ $part = gib_ppo_* ]] && script=train_ppo.py
-            cap=""; [ "$g" != none ] && cap="--gpu_memory_gib $g"
+    gib_*|gib_ppo_*) script=train_grpo.py; [[ $part = gib_ppo_* ]] && script=train_ppo.py
+            cap=$(gib_cap $part)
             cmd="rm -rf $RUNS/$part; $PY bench/nvml_peak.py --out $OUT/$part.nvml.json & s=\$!; \
                  env ${GIB_ENV:-} $PY -m torch.distributed.run --nproc_per_node=1 $script --model $MODEL $data $cap \
                  --total_training_steps 3 --test_freq 3 --save_freq 3 --default_local_dir $RUNS/$part ${GIB_FLAGS:-}; r=\$?; \
@@ -153,7 +155,7 @@ for part in "${parts[@]}"; do
     # tutorial's mini-batches of 80, not its 1,024: a phase's peak is set by its micro-batches, which
     # either batch fills to the budget (random weights answer at the length limit), so the plan is
     # the same (--print_plan) and the step a sixth as long
-    qwen3_gib_*) g=${part##*_}; cap=""; [ "$g" != none ] && cap="--gpu_memory_gib $g"
+    qwen3_gib_*) cap=$(gib_cap $part)
             cmd="$make_qwen3 && rm -rf $RUNS/$part; $PY bench/nvml_peak.py --out $OUT/$part.nvml.json & \
                  s=\$!; $PY -m torch.distributed.run --nproc_per_node=1 train_grpo.py --model $qwen3 $data \
                  $cap --total_training_steps 1 --val_before_train false --test_freq -1 \
