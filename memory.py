@@ -99,6 +99,10 @@ class Part:
         s = self.shape
         return 2 * (s.vocab * s.hidden if self.value else s.root_params)
 
+    def adamw(self, world):
+        """AdamW's two fp32 moments, sharded over the GPUs."""
+        return 8 * self.params / world
+
     def resident(self, world):
         """What it holds between phases, by what."""
         held = {
@@ -106,7 +110,7 @@ class Part:
             + (0 if self.param_offload else 4 * self.params / world)
         }
         if self.trained and not (self.param_offload or self.optimizer_offload):
-            held[f"{self.role} AdamW"] = 8 * self.params / world
+            held[f"{self.role} AdamW"] = self.adamw(world)
         return held
 
 
@@ -251,7 +255,7 @@ def plan(
         grads = 0 if m.param_offload else 4 * m.params / world
         peak = resident | {f"{m.role} gradients": grads, "activations": act, "logits": logits}
         if m.optimizer_offload and not m.param_offload:  # on the GPU for the update only
-            peak[f"{m.role} AdamW"] = 8 * m.params / world
+            peak[f"{m.role} AdamW"] = m.adamw(world)
         return peak
 
     # each budget key's phases, as functions of the budget

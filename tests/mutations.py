@@ -413,8 +413,8 @@ MUTATIONS = [
         "planner-adamw-4-bytes",
         "the memory planner counts AdamW's two moments as 4 bytes a parameter instead of 8",
         "memory.py",
-        'held[f"{self.role} AdamW"] = 8 * self.params / world',
-        'held[f"{self.role} AdamW"] = 4 * self.params / world',
+        "return 8 * self.params / world",
+        "return 4 * self.params / world",
         ("tests/test_memory.py::test_a_plan_by_hand",),
     ),
     # --- the loop (each train script's main), which only the end-to-end runs exercise ---
