@@ -129,12 +129,13 @@ def helper_bytes(args, config, specs):
     value model's root holds the embeddings only), the logits of its made-up batch
     (`small_batch_tokens`) and their gradient in bf16, a quarter more for the rest, and 2 GiB for
     CUDA's context and the compiler (Qwen2.5-0.5B, GRPO's tutorial: 15.7 GiB, its embeddings
-    tied)."""
+    tied). Each model counts at its own shape; `config` is the policy's."""
     shape = shapes.Shape.of(config)
     weights = 0
     for spec in specs:
-        root = shape.vocab * shape.hidden if spec.value else shape.root_params
-        weights += (root + shape.layer_params) * (10 if spec.trained else 6)
+        own = shapes.Shape.of(shapes.config_of(spec.path))
+        root = own.vocab * own.hidden if spec.value else own.root_params
+        weights += (root + own.layer_params) * (10 if spec.trained else 6)
     tokens = small_batch_tokens(args, config, specs)
     response = tokens * args.max_response_length / (8 + args.max_response_length)
     logits = response * shape.vocab * 2 * 2

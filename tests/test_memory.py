@@ -872,3 +872,28 @@ def test_the_eager_first_step_plans_eager_budgets_and_gives_the_compiled_ones_ba
     assert (args.ppo_max_token_len_per_gpu, args.log_prob_max_token_len_per_gpu) == (49152, 65536)
     assert not args.use_fused_kernels and not metrics.Timer.release_cache
     assert r.plan is compiled and made_up == [15 * (8 + 1024)] and not warm.eager
+
+
+def test_the_helper_counts_each_model_at_its_own_shape(tmp_path, monkeypatch):
+    """A fork that adds a frozen Qwen3-1.7B (a teacher, say) to GRPO on Qwen2.5-0.5B: the helper's
+    one-layer copy of it counts at the 1.7B's shape, not the policy's (the bug: every model counted
+    as the policy, 7 GiB short for a 7B reward model beside a 0.5B policy, the helper's cap set
+    from that)."""
+    import train_grpo
+    from transformers import AutoConfig
+
+    from models import Model
+
+    budgets = dict(ppo_max_token_len_per_gpu=49152, log_prob_max_token_len_per_gpu=65536)
+    args, specs = script_args(train_grpo, QWEN25_05B, tmp_path, monkeypatch, **budgets)
+    config = dict(vars(QWEN3_17B))
+    teacher = tmp_path / "teacher"
+    AutoConfig.for_model(config.pop("model_type"), **config).save_pretrained(teacher)
+    specs = [*specs, Model("teacher", str(teacher), "teacher", trained=False)]
+    # the actor's and the reference's one-layer copies as in the test above (287,182,592
+    # parameters at 10 and 6 bytes); the teacher's: its root 311,166,976 (tied: the embeddings
+    # and the final norm) and a layer's 50,339,840, at 6 bytes; the same logits
+    helper = int(1.25 * (287_182_592 * 16 + 361_506_816 * 6 + 15_360 * 151_936 * 4)) + 2 * GiB
+    policy = AutoConfig.from_pretrained(tmp_path)
+    assert compile_ahead.helper_bytes(args, policy, specs) == helper
+    assert round(helper / GiB, 1) == 20.7
