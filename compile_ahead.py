@@ -136,8 +136,11 @@ def helper_bytes(args, config, specs):
         own = shapes.Shape.of(shapes.config_of(spec.path))
         root = own.vocab * own.hidden if spec.value else own.root_params
         weights += (root + own.layer_params) * (10 if spec.trained else 6)
-    tokens = small_batch_tokens(args, config, specs)
-    response = tokens * args.max_response_length / (8 + args.max_response_length)
+    if args.use_dynamic_bsz:
+        tokens = small_batch_tokens(args, config, specs)
+        response = tokens * args.max_response_length / (8 + args.max_response_length)
+    else:  # micro-batches by count: two short sequences (made_up_batch)
+        response = sum(len(r) for _, r in made_up_batch(args.max_response_length)[0])
     logits = response * shape.vocab * 2 * 2
     return int(1.25 * (weights + logits)) + 2 * 2**30
 

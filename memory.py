@@ -199,6 +199,7 @@ def plan(
     helper=0,
     budget_floor=BUDGET_FLOOR,
     split=False,
+    sequences=None,
 ):
     """Predict each phase's peak on one GPU for `models` (a list of `Part`, the policy first) and
     choose what is not given: the engine's share of the GPU (`engine_share`: what the trainer
@@ -212,7 +213,10 @@ def plan(
     response_len: --max_response_length; batch_seqs / mini_batch_seqs: the sequences of a step and
     of an optimizer step on this GPU (a micro-batch holds no more than they do). `split`: each
     micro-batch as passes.micro_batches fills it, an equal share of the pass's tokens (at a step's
-    mean lengths), rather than full to its budget (what the longest responses may do)."""
+    mean lengths), rather than full to its budget (what the longest responses may do).
+    `sequences`: budget keys whose micro-batches hold a fixed count of sequences (verl's
+    *_micro_batch_size_per_gpu, without --use_dynamic_bsz), each planned at that count of the
+    longest sequences."""
     usable = int(gpu_bytes * MARGIN - OVERHEAD) - helper
     longest = prompt_len + response_len
     share = response_len / longest  # the response tokens of a full micro-batch
@@ -265,7 +269,8 @@ def plan(
         if m.trained:
             uses.setdefault(m.update, []).append((f"update_{m.role}", lambda t, m=m: update(m, t)))
     caps = {key: LOG_PROB_CAP for key in uses} | {m.update: UPDATE_CAP for m in models if m.trained}
-    chosen = dict(budgets or {})
+    sequences = sequences or {}
+    chosen = dict(budgets or {}) | {key: n * longest for key, n in sequences.items()}
     small = []
     for key, phases in uses.items():
         if key not in chosen:  # the largest that fits; the smallest when none does
@@ -289,13 +294,15 @@ def plan(
         gpu_bytes, usable, world, budgets=chosen, engine_share=engine_share, helper=helper
     )
     result.small = small
-    result.bound = squeezed or any(chosen[k] < caps[k] for k in uses if k not in (budgets or {}))
+    fixed = set(budgets or {}) | set(sequences)  # budgets not chosen here
+    result.bound = squeezed or any(chosen[k] < caps[k] for k in uses if k not in fixed)
     awake = resident | {"engine": engine}
     engine_note = f"engine {math.floor(engine_share * 100) / 100:.2f}"  # as the flag gets it
     parts = {"gen": (awake, engine_note)}
     for key, phases in uses.items():
         for name, f in phases:
-            parts[name] = (f(chosen[key]), f"{chosen[key]} tokens")
+            label = f"{sequences[key]} seqs" if key in sequences else f"{chosen[key]} tokens"
+            parts[name] = (f(chosen[key]), label)
     # the pass without gradients first, then the updates, as a step runs them
     parts = dict(sorted(parts.items(), key=lambda kv: kv[0].startswith("update_")))
     parts["update_weights"] = (awake, engine_note)
@@ -327,6 +334,7 @@ def plan(
         mini_batch_seqs=mini_batch_seqs, fused_kernels=fused_kernels,
         compiled_log_probs=compiled_log_probs, compile_update=compile_update,
         engine_share=engine_share, budgets=chosen, helper=helper, split=True,
+        sequences=sequences,
     )  # fmt: skip
 
     def at(prompt_len, response_len):
@@ -343,6 +351,11 @@ def plan(
 def budget_flags(specs):
     """The token-budget flags of a run's passes, each once, in the order of its models."""
     return list(dict.fromkeys(flag for spec in specs for flag in spec.budget_flags()))
+
+
+def micro_batch_flags(specs):
+    """The sequences-per-micro-batch flags of a run's passes, each once."""
+    return list(dict.fromkeys(flag for spec in specs for flag in spec.micro_batch_flags()))
 
 
 def parts_of(args, specs):
@@ -374,7 +387,8 @@ def memory_plan(args, specs, world, memory_bytes, prompt_len, budgets, compiled=
     """`plan` for a run's models (`specs`) and flags on a GPU of `memory_bytes`, the `budgets` given
     (a dict by flag; the rest chosen); `compiled` False plans every pass eager, beside a helper of
     `helper` bytes (--warm_compile_caches' first step, its output layer chunk by chunk where it
-    can be)."""
+    can be). Without --use_dynamic_bsz each pass is planned at its micro-batches' count of
+    sequences (`sequences`), the budgets unused."""
     fused = args.use_fused_kernels
     if not compiled:
         fused = fused or not scaled_logits(config_of(specs[0].path))
@@ -393,7 +407,15 @@ def memory_plan(args, specs, world, memory_bytes, prompt_len, budgets, compiled=
         budgets=budgets,
         helper=helper,
         budget_floor=BUDGET_FLOOR if args.use_dynamic_bsz else 0,  # budgets in use, or not
+        sequences=None if args.use_dynamic_bsz else sequences(args, specs),
     )
+
+
+def sequences(args, specs):
+    """Each budget key's micro-batch size in sequences, as the flags set it (the count that
+    replaces the token budget without --use_dynamic_bsz)."""
+    pairs = [spec.passes for spec in specs] + [spec.update for spec in specs if spec.trained]
+    return {budget: getattr(args, size) for size, budget in pairs}
 
 
 def remedies(args, specs):
@@ -499,9 +521,8 @@ def plan_memory(args, specs, world, device, prompt_len, given, helper=None):
     per-sequence micro-batch size given there keeps verl's meaning (no token budgets)."""
     gpu = device.type == "cuda"
     planning = gpu or args.print_plan or args.gpu_memory_gib is not None
-    per_sequence = {flag for spec in specs for flag in spec.micro_batch_flags()}
     if args.use_dynamic_bsz is None:
-        args.use_dynamic_bsz = planning and not (per_sequence & given)
+        args.use_dynamic_bsz = planning and not (set(micro_batch_flags(specs)) & given)
     if args.compile_update is None:
         args.compile_update = planning and args.use_dynamic_bsz and args.compile_layers is not False
     args.compile_update = bool(args.compile_update)
@@ -525,11 +546,11 @@ def plan_memory(args, specs, world, device, prompt_len, given, helper=None):
         result = fit_with_switches(args, specs, given, replan)
         if not result.fits:
             result.advice = advice(args, specs, world, prompt_len, chosen, memory_bytes, given)
-        for name in names:
+        for name in names if args.use_dynamic_bsz else ():
             setattr(args, name, getattr(args, name) or result.budgets[name])
         if args.gpu_memory_utilization is None:
             args.gpu_memory_utilization = math.floor(result.engine_share * 100) / 100
-        if helper is not None and args.use_dynamic_bsz and result.fits:
+        if helper is not None and result.fits:
             given_budgets = {name: getattr(args, name) for name in names if name in given}
             plan_first_step(args, given, replan, given_budgets, helper(args), result)
     for name in names:  # a CPU's, or the per-sequence micro-batches' unused ones
@@ -556,9 +577,10 @@ def plan_message(plan, args, specs):
     """The plan's table and the flags it set, or what to change when it does not fit."""
     lines = [plan.table()]
     if plan.fits:
+        sizes = budget_flags(specs) if args.use_dynamic_bsz else micro_batch_flags(specs)
         names = [
             "use_dynamic_bsz",
-            *budget_flags(specs),
+            *sizes,
             "compile_update",
             "gpu_memory_utilization",
         ]

@@ -3,6 +3,7 @@ its predictions against peaks one H200 measured (docs/runs), what it says when n
 --print_plan from the command line (no GPU, no weights, no data)."""
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -879,12 +880,14 @@ def test_the_helper_counts_each_model_at_its_own_shape(tmp_path, monkeypatch):
     one-layer copy of it counts at the 1.7B's shape, not the policy's (the bug: every model counted
     as the policy, 7 GiB short for a 7B reward model beside a 0.5B policy, the helper's cap set
     from that)."""
-    import train_grpo
     from transformers import AutoConfig
 
+    import train_grpo
     from models import Model
 
-    budgets = dict(ppo_max_token_len_per_gpu=49152, log_prob_max_token_len_per_gpu=65536)
+    budgets = dict(
+        use_dynamic_bsz=True, ppo_max_token_len_per_gpu=49152, log_prob_max_token_len_per_gpu=65536
+    )
     args, specs = script_args(train_grpo, QWEN25_05B, tmp_path, monkeypatch, **budgets)
     config = dict(vars(QWEN3_17B))
     teacher = tmp_path / "teacher"
@@ -897,3 +900,67 @@ def test_the_helper_counts_each_model_at_its_own_shape(tmp_path, monkeypatch):
     policy = AutoConfig.from_pretrained(tmp_path)
     assert compile_ahead.helper_bytes(args, policy, specs) == helper
     assert round(helper / GiB, 1) == 20.7
+
+
+def test_micro_batches_by_count_are_planned_at_their_sequences(tmp_path, monkeypatch):
+    """Without --use_dynamic_bsz a micro-batch holds *_micro_batch_size_per_gpu sequences, each
+    planned at the longest: TINY as in test_a_plan_by_hand, 64 sequences of 24 + 8 tokens are the
+    2,048 tokens worked there, and 96 (3,072 tokens) do not fit. The bug: the plan fitted token
+    budgets the run never uses, and a run that could not fit was said to."""
+    monkeypatch.setattr(memory, "MARGIN", 1.0)
+    monkeypatch.setattr(memory, "OVERHEAD", 0)
+    shape = dict(prompt_len=24, response_len=8, batch_seqs=256, mini_batch_seqs=128)
+    by_count = [
+        memory.plan(
+            policy(shapes.Shape.of(TINY)),
+            700_000,
+            **shape,
+            compile_update=False,
+            sequences={"update": n, "log_prob": 16},
+        )
+        for n in (64, 96)
+    ]
+    assert by_count[0].phases["update_actor"] == (pytest.approx(682_617.6), "64 seqs")
+    assert by_count[0].budgets == {"update": 2048, "log_prob": 512}
+    assert by_count[0].phases["old_log_prob"][1] == "16 seqs"
+    assert by_count[1].phases["update_actor"][0] == pytest.approx(1_019_718.4)
+    assert "update_actor: 0.0 GiB" in by_count[1].problems
+    # at a step's mean lengths a micro-batch holds as many sequences, shorter: 64 x (20 + 4)
+    # tokens, a sixth of them response (test_a_plan_by_hand's last case, 1,536 tokens)
+    assert by_count[0].at(20, 4)["update_actor"] == pytest.approx(508_947.2)
+
+
+def test_a_run_given_sequences_per_micro_batch_is_planned_at_them(tmp_path, monkeypatch):
+    """Qwen2.5-0.5B as a 24 GiB GPU: 8 sequences a micro-batch fit with gradient checkpointing,
+    and the message names the flags in use, not the unused budgets; 64 and 128 do not fit,
+    whatever the planner turns on (it said they did, at budgets of its own)."""
+    import torch
+
+    import train_grpo
+
+    cpu, given = torch.device("cpu"), {"ppo_micro_batch_size_per_gpu"}
+    args, specs = script_args(
+        train_grpo, QWEN25_05B, tmp_path, monkeypatch, gpu_memory_gib=24.0,
+        ppo_micro_batch_size_per_gpu=8,
+    )  # fmt: skip
+    config = shapes.config_of(specs[0].path)
+    helper = functools.partial(compile_ahead.helper_bytes, config=config, specs=specs)
+    p = memory.plan_memory(args, specs, 1, cpu, 105, given, helper)
+    assert p.fits and not args.use_dynamic_bsz and args.enable_gradient_checkpointing
+    # the compiling helper's made-up batch by count: two short sequences, 18 response tokens of
+    # logits, beside the one-layer copies (as in the tests above); the eager first step beside its
+    # 7.4 GiB does not fit, so the helper is left out, and the plan says so
+    assert (
+        compile_ahead.helper_bytes(args, config, specs)
+        == int(1.25 * (287_182_592 * 16 + 18 * 151_936 * 4)) + 2 * GiB
+    )
+    assert args.warm_compile_caches is False and "helper's 7.4 GiB" in p.notes[-1]
+    assert p.phases["update_actor"][1] == "8 seqs" and p.phases["ref"][1] == "8 seqs"
+    message = memory.plan_message(p, args, specs)
+    assert "--ppo_micro_batch_size_per_gpu 8 --log_prob_micro_batch_size_per_gpu 8" in message
+    assert "max_token_len" not in message.splitlines()[-1]
+    args, specs = script_args(
+        train_grpo, QWEN25_05B, tmp_path, monkeypatch, gpu_memory_gib=24.0,
+        ppo_micro_batch_size_per_gpu=64, log_prob_micro_batch_size_per_gpu=128,
+    )  # fmt: skip
+    assert not memory.plan_memory(args, specs, 1, cpu, 105, given).fits
