@@ -287,7 +287,8 @@ def plan(
     squeezed = False  # the engine's share, chosen here, below ENGINE_SHARE
     if engine_share is None:
         room = usable - held - sum(gathered.values())
-        engine_share = max(0.0, min(ENGINE_SHARE, room / gpu_bytes))
+        # in hundredths, rounded down, as the flag gets it
+        engine_share = math.floor(max(0.0, min(ENGINE_SHARE, room / gpu_bytes)) * 100) / 100
         squeezed = engine_share < ENGINE_SHARE
     engine = engine_share * gpu_bytes
     result = Plan(
@@ -296,7 +297,10 @@ def plan(
     result.small = small
     fixed = set(budgets or {}) | set(sequences)  # budgets not chosen here
     result.bound = squeezed or any(chosen[k] < caps[k] for k in uses if k not in fixed)
-    awake = resident | {"engine": engine}
+    policy = models[0]
+    # the engine's pool: the policy's bf16 weights, and its KV cache with vLLM's working memory
+    weights = min(engine, 2 * policy.params)
+    awake = resident | {"engine weights": weights, "engine KV cache": engine - weights}
     engine_note = f"engine {math.floor(engine_share * 100) / 100:.2f}"  # as the flag gets it
     parts = {"gen": (awake, engine_note)}
     for key, phases in uses.items():
@@ -312,7 +316,6 @@ def plan(
         parts["export"] = parts["save_checkpoint"]
     result.parts = {name: what for name, (what, _) in parts.items()}
     result.phases = {name: (sum(what.values()), note) for name, (what, note) in parts.items()}
-    policy = models[0]
     engine_min = 2 * policy.params + 2 * GiB  # its bf16 weights and a little cache
     if engine < engine_min:
         result.problems.append(
@@ -488,6 +491,12 @@ def fit_with_switches(args, specs, given, replan):
     result.notes = [f"turned on --{name} ({why})" for name, why in turned]
     if turned:
         result.notes[-1] += f": with the defaults, {worst}"
+    if result.fits and result.small:  # a switch given off, or none left: it runs, but slowly
+        off = [f"--{name} (given false)" for name, _ in remedies(args, specs) if name in given]
+        result.notes.append(
+            f"{result.worst()}, where a step waits on the CPU"
+            + (f"; {', '.join(off)} would make room for more" if off else "")
+        )
     return result
 
 
