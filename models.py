@@ -10,7 +10,6 @@ model adds an entry.
 """
 
 import contextlib
-import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -89,17 +88,45 @@ def reachable(url, timeout=5.0):
     return bool(answered)
 
 
-@functools.cache  # once per model and process (the planner's config_of asks again)
+def flag_of(args, path):
+    """The flag that names the model at `path` (--model, --critic_model, ...)."""
+    if path == args.model:
+        return "--model"
+    named = (f"--{k}" for k, v in vars(args).items() if k.endswith("model") and v == path)
+    return next(named, "the model")
+
+
+checked = set()  # the models check_source passed, once per process (config_of asks again)
+
+
 def check_source(path, flag="--model"):
     """A model named as on the hub that cannot be had, named within seconds with the ways out,
     instead of the hub's retries (about a minute) and a traceback: not in the hub's cache with
     HF_HUB_OFFLINE=1, or not in it and the hub unreachable. Cached and the hub unreachable: the
-    cached copy, offline. A local folder passes (check_paths looks inside it)."""
+    cached copy, offline. A local folder passes (check_paths looks inside it); a path that is no
+    folder (and no hub id) is named as such."""
+    if path in checked:
+        return
+    check_source_once(path, flag)
+    checked.add(path)
+
+
+def check_source_once(path, flag):
     import huggingface_hub
     from huggingface_hub import constants
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     if os.path.isdir(os.path.expanduser(path)):
         return
+    try:
+        pathlike = path.startswith(("/", ".", "~")) or validate_repo_id(path)
+    except HFValidationError:
+        pathlike = True
+    flags.need(
+        not pathlike,
+        f"{flag} {path}: no such folder; give a model's folder (config.json, the weights, the "
+        "tokenizer's files) or a hub id such as Qwen/Qwen2.5-0.5B-Instruct",
+    )
     cached = huggingface_hub.try_to_load_from_cache(path, "config.json")
     ways = (
         f"give a local folder ({flag} /path/to/model), or download it where there is a network "

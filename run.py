@@ -537,7 +537,7 @@ def start(args, check_args, declare_models):
             run.fence = memory.fence(args, device)
     if not args.print_plan:  # which reads configs only (shapes.config_of)
         for path in dict.fromkeys(spec.path for spec in specs):  # hub ids: reachable, or cached
-            models.check_source(path, "--model" if path == args.model else "the model")
+            models.check_source(path, models.flag_of(args, path))
     if device.type == "cpu" and rank == 0 and not args.print_plan:
         print(
             "no GPU is visible: this run trains on the CPU, which suits tiny models (bash "

@@ -4,6 +4,7 @@ from, and the keys with no counterpart named."""
 
 import dataclasses
 import itertools
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -182,6 +183,19 @@ def test_a_hub_model_that_cannot_be_had_fails_in_seconds_naming_the_ways_out(tmp
         assert out.returncode == 1 and message in out.stderr, out.stderr[-2000:]
         assert "give a local folder (--model /path/to/model)" in out.stderr
         assert "Traceback" not in out.stderr and time.monotonic() - start < 30
+
+
+def test_a_model_path_that_is_no_folder_is_named_with_its_flag(tmp_path):
+    """A mistyped local folder is named as no folder, by the flag that gave it (the hub's
+    validator raised a traceback at it); a second model, PPO's critic, by its own flag."""
+    import models
+
+    for path in (str(tmp_path / "nope"), "./nope", "~/nope", "a//b"):
+        with pytest.raises(SystemExit, match=f" --critic_model {re.escape(path)}: no such folder"):
+            models.check_source(path, "--critic_model")
+    args = dataclasses.replace(train_ppo.Args(), critic_model="Org/critic")
+    assert models.flag_of(args, "Org/critic") == "--critic_model"
+    assert models.flag_of(args, args.model) == "--model"
 
 
 def test_a_hub_model_the_hub_does_not_give_fails_in_seconds_naming_it(tmp_path):
