@@ -582,6 +582,17 @@ def check_paths(args):
         f"--default_local_dir {args.default_local_dir}: {problem}; give a folder for the "
         "checkpoints and metrics that this user can write",
     )
+    read = [] if args.val_only else ["train_files"]
+    read += ["val_files"] if args.test_freq > 0 or args.val_only else []
+    for name in read:  # the training data first: the file a user typed, not a default beside it
+        for path in getattr(args, name).split(","):
+            make = (
+                "make it with python data/gsm8k.py --local_save_dir DIR"
+                if "gsm8k" in path
+                else "give parquet in verl's format (data_source, prompt, reward_model), as "
+                "examples/quickstart/data.py writes it"
+            )
+            need(os.path.isfile(os.path.expanduser(path)), f"--{name} {path}: no such file; {make}")
     model = os.path.expanduser(args.model)
     if os.path.isdir(model):  # a local folder, not a hub id
         files = set(os.listdir(model))

@@ -798,6 +798,7 @@ BAD_INPUT = [
     "reward_signature",
     "offload_on_cpu",
     "longer_than_the_model",
+    "missing_data_files",
 ]
 
 
@@ -870,6 +871,10 @@ def bad_input(assets, case):
     elif case == "longer_than_the_model":  # the tiny model's 1,024 positions
         args[args.index("--max_response_length") + 1] = "2000"
         expected = ["--max_response_length = 2256 tokens, more than --model"]
+    elif case == "missing_data_files":  # both: the training file named, by its flag
+        args[args.index("--train_files") + 1] = str(assets["tmp"] / "nope" / "train.parquet")
+        args[args.index("--val_files") + 1] = str(assets["tmp"] / "nope" / "test.parquet")
+        expected = [f"--train_files {assets['tmp'] / 'nope' / 'train.parquet'}: no such file"]
     elif case == "offload_on_cpu":
         args += ["--param_offload"]
         expected = ["--param_offload keeps a model's state on the CPU between its passes"]
