@@ -310,7 +310,6 @@ def verl_keys(Args):
 
 # verl's keys with no flag here that a pasted command line may hold: what they mean here
 VERL_ELSEWHERE = {
-    "trainer.device": "the device is what torch finds",
     "data.return_raw_chat": "prompts are tokenized here",
 }
 
@@ -332,7 +331,9 @@ VERL_SETTLED = {
     ),
     "reward_model.reward_manager": (("naive",), "rewards are scored one response at a time"),
     "data.dataloader_num_workers": (None, "the data is read once, at start-up"),
+    "trainer.device": (("cuda",), "the device is what torch finds: a GPU where one is visible"),
 }
+NULLS = ("null", "none", "~")  # Hydra's null: the key's default
 
 
 def settled_as(key, settled):
@@ -369,6 +370,9 @@ def verl_flags(Args, argv):
         if key in keys and not ours:  # another script's flag (PPO's critic_*, gamma, ...)
             print(f"{script}: verl's {key} has no meaning here: left out", file=sys.stderr)
             continue
+        if key not in keys and value.lower() in NULLS:  # asks for nothing: verl's default
+            print(f"{script}: verl's {key}={value}: no counterpart here, left out", file=sys.stderr)
+            continue
         if key not in keys:
             near = [  # whole keys alike, and their last parts too (not model.path for model.x)
                 k
@@ -380,7 +384,7 @@ def verl_flags(Args, argv):
             unknown.append(f"verl's {key}: {VERL_ELSEWHERE.get(key, 'no counterpart here')}{hint}")
             continue
         name, reads = keys[key]
-        if value.lower() in ("null", "none", "~"):
+        if value.lower() in NULLS:
             continue  # the default
         out += [f"--{name}", reads(value) if reads else value]
     need(not unknown, "; ".join(unknown) + " (docs/flags.md maps verl's keys to flags)")

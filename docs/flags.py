@@ -10,7 +10,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from cli import verl_table  # noqa: E402
+from cli import VERL_ELSEWHERE, settled_as, verl_settled, verl_table  # noqa: E402
 from flags import DOCS  # noqa: E402
 
 
@@ -32,6 +32,9 @@ def rows():
 
 
 def markdown():
+    import train_grpo
+    import train_ppo
+
     lines = [
         "# Every flag",
         "",
@@ -46,6 +49,33 @@ def markdown():
     for name, g, p, help, key in rows():
         help = help.replace("|", "\\|")
         lines.append(f"| `--{name}` | `{g}` | `{p}` | {help} | {f'`{key}`' if key else '-'} |")
+    lines += [
+        "",
+        "## verl's keys with no flag here",
+        "",
+        "A pasted verl command line may hold these. A key whose values are listed is left out",
+        "(with a note) when it asks for what the scripts do, and refused otherwise; `any`: left",
+        "out whatever its value. The rest are refused, saying why. Any key set to `null` asks",
+        "for verl's default and is left out.",
+        "",
+        "| verl's key | train_grpo.py leaves out | train_ppo.py leaves out | why |",
+        "|---|---|---|---|",
+    ]
+    grpo, ppo = verl_settled(train_grpo.Args), verl_settled(train_ppo.Args)
+
+    def left(entry):
+        if entry is None:
+            return "(a flag, or refused)"
+        return "any" if entry[0] is None else ", ".join(f"`{v}`" for v in entry[0])
+
+    for key in sorted(grpo.keys() | ppo.keys()):
+        g, p = settled_as(key, grpo), settled_as(key, ppo)
+        whys = {e[1] for e in (g, p) if e}
+        why = whys.pop() if len(whys) == 1 else f"GRPO: {g[1]}; PPO: {p[1]}"
+        name = f"{key}*" if key.endswith(".") else key
+        lines.append(f"| `{name}` | {left(g)} | {left(p)} | {why} |")
+    for key, why in sorted(VERL_ELSEWHERE.items()):
+        lines.append(f"| `{key}` | refused | refused | {why} |")
     return "\n".join(lines) + "\n"
 
 

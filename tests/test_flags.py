@@ -141,6 +141,14 @@ def test_verls_command_line_is_taken_through_the_flags_table(monkeypatch, capsys
     with pytest.raises(SystemExit) as e:  # a key of another kind is not "near" by its section
         cli.parse(train_grpo.Args, ["actor_rollout_ref.model.lora_rank=64"])
     assert "lora_rank: no counterpart here (docs/flags.md" in str(e.value), e.value
+    # the device verl's tutorials name, and a key set to null (verl's default), are left out;
+    # another device is refused
+    cli.parse(train_grpo.Args, ["trainer.device=cuda", "data.val_batch_size=null"])
+    err = capsys.readouterr().err
+    assert "verl's trainer.device=cuda: the device is what torch finds" in err
+    assert "verl's data.val_batch_size=null: no counterpart here, left out" in err
+    with pytest.raises(SystemExit, match="trainer.device=npu: the device is what torch finds"):
+        cli.parse(train_grpo.Args, ["trainer.device=npu"])
     # a choice with one answer here: left out when it asks for that, refused when not
     args = cli.parse(
         train_grpo.Args,
