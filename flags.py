@@ -359,7 +359,7 @@ class RunArgs:
     val_temperature: float = flag(1.0, "temperature of --val_n's samples", ge=0)
     max_val_samples: int | None = flag(None, "validate on the first N prompts", ge=1)
     resume_mode: str = flag("auto", "auto | disable | a global_step_N folder")
-    default_local_dir: str | None = flag(None, "default checkpoints/PROJECT/EXPERIMENT")
+    default_local_dir: str | None = flag(None, "default: checkpoints/PROJECT/EXPERIMENT")
     keep_last_checkpoints: int = flag(2, "checkpoints kept on disk", ge=1)
     export_final: bool = flag(True, "write the final policy as a HF folder")
     rollout_data_dir: str | None = flag(
@@ -370,7 +370,7 @@ class RunArgs:
         "write each validation's responses to DIR/STEP.jsonl (DIR/STEP_nN.jsonl for --val_n N)",
     )
     logger: str = flag("console,jsonl", "comma list of console, jsonl, wandb, tensorboard")
-    project_name: str = flag("grpo_gsm8k", "for wandb / tensorboard / folders")
+    project_name: str = flag("grpo", "for wandb / tensorboard / folders")
     experiment_name: str | None = flag(
         None, "for wandb / tensorboard / folders; default: the model's and the data's names"
     )

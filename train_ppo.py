@@ -67,7 +67,9 @@ class Args(flags.RunArgs):
     critic_model: str | None = flag(None, "value model's body; default: --model")
     critic_lr: float = flag(1e-5, "critic AdamW learning rate (constant)", gt=0)
     critic_weight_decay: float = flag(0.01, "critic AdamW weight decay", ge=0)
-    critic_warmup: int = flag(0, "the first N steps update only the critic (verl's: N+1)", ge=0)
+    critic_warmup: int = flag(
+        0, "the first N steps update only the critic (verl's trainer.critic_warmup=N+1)", ge=0
+    )
     critic_ppo_micro_batch_size_per_gpu: int = flag(4, "sequences per critic forward", ge=1)
     critic_ppo_max_token_len_per_gpu: int | None = flag(None, "critic's token budget", ge=1)
     critic_grad_clip: float = flag(1.0, "critic's max global gradient norm", gt=0)
@@ -79,9 +81,11 @@ class Args(flags.RunArgs):
     # the quickstart's shape and cadence (flags.RunArgs' defaults are GRPO's)
     max_response_length: int = flags.default("max_response_length", 512)
     save_freq: int = flags.default("save_freq", 10)
-    project_name: str = flags.default("project_name", "ppo_gsm8k")
+    project_name: str = flags.default("project_name", "ppo")
     warm_compile_caches: bool = flag(
-        False, "a helper compiles beside step 1: off, PPO's ends first"
+        False,
+        "compile in a helper process while step 1 runs eager; off: PPO's short step 1 "
+        "ends before the helper would",
     )
 
     # what verl's keys with no flag here mean to this script (cli.py; the flags' own keys are in

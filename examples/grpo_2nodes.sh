@@ -12,4 +12,4 @@ exec ${TORCHRUN:-torchrun} --nnodes=2 --nproc_per_node=${NPROC:-8} --rdzv_backen
     --rdzv_id=${RDZV_ID:-grpo_2nodes} \
     "$ROOT/train_grpo.py" --model "$MODEL" \
     --train_files "$DATA/train.parquet" --val_files "$DATA/test.parquet" \
-    --default_local_dir ${CKPT_DIR:-checkpoints/grpo_gsm8k/2nodes} "$@"
+    --default_local_dir ${CKPT_DIR:-checkpoints/grpo/2nodes} "$@"
