@@ -83,9 +83,7 @@ class Args(flags.RunArgs):
     save_freq: int = flags.default("save_freq", 10)
     project_name: str = flags.default("project_name", "ppo")
     warm_compile_caches: bool = flag(
-        False,
-        "compile in a helper process while step 1 runs eager; off: PPO's short step 1 "
-        "ends before the helper would",
+        False, "compile in a helper while step 1 runs eager; off: PPO's step 1 ends first"
     )
 
     # what verl's keys with no flag here mean to this script (cli.py; the flags' own keys are in
