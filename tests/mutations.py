@@ -417,6 +417,22 @@ MUTATIONS = [
         "return 4 * self.params / world",
         ("tests/test_memory.py::test_a_plan_by_hand",),
     ),
+    Mutation(
+        "helper-at-the-policys-shape",
+        "the compiling helper's memory counts every model at the policy's shape",
+        "compile_ahead.py",
+        "own = shapes.Shape.of(shapes.config_of(spec.path))",
+        "own = shape",
+        ("tests/test_memory.py::test_the_helper_counts_each_model_at_its_own_shape",),
+    ),
+    Mutation(
+        "planner-ignores-sequences",
+        "without --use_dynamic_bsz the planner fits token budgets the run never uses",
+        "memory.py",
+        "sequences=None if args.use_dynamic_bsz else sequences(args, specs),",
+        "sequences=None,",
+        ("tests/test_memory.py::test_a_run_given_sequences_per_micro_batch_is_planned_at_them",),
+    ),
     # --- the loop (each train script's main), which only the end-to-end runs exercise ---
     Mutation(
         "scheduler-not-stepped",
