@@ -169,6 +169,25 @@ def _kept_by_reload(record):
     return not (record.msg == "%s: Failed to load weights" and args[:1] and args[0] in kept)
 
 
+def quiet_cpu_build():
+    """Leave out what vLLM's CPU build says at start-up that asks nothing of a user: torch's note
+    that Triton is missing (the CPU build runs none) and a deprecation warning raised inside vLLM's
+    own kernel dispatcher (torch.distributed.reduce_op). Its note on binding memory to the NUMA
+    node is printed by C++ and stays."""
+    import logging
+    import warnings
+
+    triton = logging.getLogger("torch._library.triton")
+    if not any(getattr(f, "triton_missing", False) for f in triton.filters):
+        note = logging.Filter()
+        note.filter = lambda record: not record.getMessage().startswith("Triton not available")
+        note.triton_missing = True
+        triton.addFilter(note)
+    warnings.filterwarnings(
+        "ignore", r"`torch.distributed.reduce_op` is deprecated", FutureWarning, r"vllm\."
+    )
+
+
 def quiet_rotary_reload():
     """Leave out vLLM's harmless warnings at each push (`_kept_by_reload`)."""
     import logging
@@ -203,6 +222,8 @@ class VLLMEngine:
     ):
         """`fence`, where --gpu_memory_gib caps this process (memory.fence), is called with
         `unbacked_bytes()` each time the engine sleeps or wakes."""
+        if not torch.cuda.is_available():
+            quiet_cpu_build()  # before vLLM's import, which says some of it
         from vllm import LLM  # imported here: importing rollout must not need vLLM
 
         # vLLM's engine core runs in this process: required to pass weight iterators to it.

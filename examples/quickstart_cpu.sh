@@ -17,7 +17,8 @@ DATA=${DATA:-$OUT/data}
 [ -e "$MODEL" ] || [ "$MODEL" != "$OUT/model" ] || "$PY" "$ROOT/bench/tiny.py" --out "$MODEL"
 [ -e "$DATA/train.parquet" ] || "$PY" "$ROOT/examples/quickstart/data.py" --out "$DATA"
 # vLLM's notes on a CPU (its config, no Triton, no tcmalloc) are about speed: VLLM_LOGGING_LEVEL=INFO
-# shows them
+# shows them. Its C++ line "NUMA binding: Using MEMBIND policy" says where it keeps the KV cache: on
+# the one NUMA node of a small machine, nothing to do
 export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-ERROR}
 # exec: a SIGTERM to this script (or its group) reaches the trainer, which checkpoints and stops
 exec "$PY" "$ROOT/train_grpo.py" --model "$MODEL" --train_files "$DATA/train.parquet" \

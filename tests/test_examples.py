@@ -132,4 +132,6 @@ def test_the_cpu_quick_start_trains_on_its_own_data_and_reward(tmp_path):
     assert all(rows[s]["critic/score/max"] > 0 and rows[s]["actor/grad_norm"] > 0 for s in (1, 2))
     assert (tmp_path / "run" / "hf_model" / "config.json").exists()
     assert "Failed to load weights" not in output and "nan" not in output.split("done:")[0][-3000:]
+    # vLLM's CPU build's notes that ask nothing of a user (rollout.quiet_cpu_build)
+    assert "Triton not available" not in output and "reduce_op" not in output, output[-6000:]
     assert "Explicitly set (" in output and "Auto set" not in output, output[-6000:]
