@@ -292,8 +292,9 @@ class WarmStart:
             for name in names:
                 setattr(args, name, min(getattr(args, name), run.plan.first.budgets[name]))
             run.plan = run.plan.first
-        if run.rank == 0:
-            chosen = " ".join(f"--{name} {getattr(args, name)}" for name in names)
+        if run.rank == 0:  # the flags that size its micro-batches
+            shown = names if args.use_dynamic_bsz else memory.micro_batch_flags(run.specs)
+            chosen = " ".join(f"--{name} {getattr(args, name)}" for name in shown)
             fused = " --use_fused_kernels true" if args.use_fused_kernels else ""
             print(
                 f"the first step runs eager while the helper compiles, with {chosen}{fused}",
