@@ -4,6 +4,7 @@ the parameters of a layer and of the root unit, the activations a token keeps)."
 
 import functools
 import os
+import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -32,11 +33,12 @@ KNOWN = {
 
 
 def known_config(name):
-    """A config-like namespace for a hub id of `KNOWN` (or its -Instruct variant), else None."""
+    """A config-like namespace for a hub id of `KNOWN` (or its -Instruct, -Base or 2507 variants,
+    which share its shape), else None."""
     keys = "hidden_size intermediate_size num_hidden_layers num_attention_heads"
     keys += " num_key_value_heads head_dim vocab_size tie_word_embeddings"
     shapes = {hub_id.lower(): shape for hub_id, shape in KNOWN.items()}
-    shape = shapes.get(name.lower().removesuffix("-instruct"))
+    shape = shapes.get(re.sub(r"-(instruct|base|thinking)(-2507)?$", "", name.lower()))
     return SimpleNamespace(**dict(zip(keys.split(), shape))) if shape else None
 
 
@@ -59,7 +61,8 @@ def config_of(path):
             models.check_source(path)
         except SystemExit as error:
             known = ", ".join(KNOWN)
-            why = f"{error.code}; with no network the planner knows {known} (and their -Instruct)"
+            variants = "(and their -Instruct, -Base and 2507 variants)"
+            why = f"{error.code}; with no network the planner knows {known} {variants}"
             raise SystemExit(why) from None
     try:
         return AutoConfig.from_pretrained(path)

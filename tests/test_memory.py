@@ -65,6 +65,20 @@ def test_shape_counts_parameters_by_hand():
     assert shapes.Shape.of(QWEN3_17B).params == pytest.approx(1.72e9, rel=1e-2)
 
 
+def test_the_known_shapes_take_their_variants_names():
+    """A hub id's -Instruct, -Base and 2507 variants are planned at its shape; another is not."""
+    qwen3 = vars(shapes.known_config("Qwen/Qwen3-4B"))
+    assert qwen3["hidden_size"] == 2560 and qwen3["num_hidden_layers"] == 36
+    for name in (
+        "Qwen/Qwen3-4B-Instruct-2507",
+        "qwen/qwen3-4b-base",
+        "Qwen/Qwen3-4B-Thinking-2507",
+    ):
+        assert vars(shapes.known_config(name)) == qwen3, name
+    assert shapes.known_config("Qwen/Qwen2.5-0.5B-Instruct").vocab_size == 151936
+    assert shapes.known_config("Qwen/Qwen3-4B-AWQ") is None
+
+
 def test_a_plan_by_hand(monkeypatch):
     """TINY on a 'GPU' of 700,000 bytes, all of it usable (no margin, no overhead), prompts of 24
     tokens and responses of 8 (a quarter of a sequence is response: the head sees 8 of its 32)."""
