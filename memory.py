@@ -182,6 +182,12 @@ class Plan:
         return "\n".join(lines)
 
 
+def hundredths(share):
+    """`share` rounded down to hundredths, as --gpu_memory_utilization gets it; one already so
+    stays itself (0.29 * 100 is 28.999999999999996 in floats)."""
+    return math.floor(round(share * 100, 6)) / 100
+
+
 def plan(
     models,
     gpu_bytes,
@@ -288,7 +294,7 @@ def plan(
     if engine_share is None:
         room = usable - held - sum(gathered.values())
         # in hundredths, rounded down, as the flag gets it
-        engine_share = math.floor(max(0.0, min(ENGINE_SHARE, room / gpu_bytes)) * 100) / 100
+        engine_share = hundredths(max(0.0, min(ENGINE_SHARE, room / gpu_bytes)))
         squeezed = engine_share < ENGINE_SHARE
     engine = engine_share * gpu_bytes
     result = Plan(
@@ -301,7 +307,7 @@ def plan(
     # the engine's pool: the policy's bf16 weights, and its KV cache with vLLM's working memory
     weights = min(engine, 2 * policy.params)
     awake = resident | {"engine weights": weights, "engine KV cache": engine - weights}
-    engine_note = f"engine {math.floor(engine_share * 100) / 100:.2f}"  # as the flag gets it
+    engine_note = f"engine {hundredths(engine_share):.2f}"  # as the flag gets it
     parts = {"gen": (awake, engine_note)}
     for key, phases in uses.items():
         for name, f in phases:
@@ -558,7 +564,7 @@ def plan_memory(args, specs, world, device, prompt_len, given, helper=None):
         for name in names if args.use_dynamic_bsz else ():
             setattr(args, name, getattr(args, name) or result.budgets[name])
         if args.gpu_memory_utilization is None:
-            args.gpu_memory_utilization = math.floor(result.engine_share * 100) / 100
+            args.gpu_memory_utilization = hundredths(result.engine_share)
         if helper is not None and result.fits:
             given_budgets = {name: getattr(args, name) for name in names if name in given}
             plan_first_step(args, given, replan, given_budgets, helper(args), result)

@@ -79,6 +79,13 @@ def test_the_known_shapes_take_their_variants_names():
     assert shapes.known_config("Qwen/Qwen3-4B-AWQ") is None
 
 
+def test_the_engines_share_is_rounded_down_to_hundredths_once():
+    """A share the planner chose, already in hundredths, stays as it is when the flag takes it
+    (the bug: flooring 0.29 again gave 0.28, 0.57 and 0.58 likewise)."""
+    assert [memory.hundredths(n / 100) for n in (29, 57, 58, 60)] == [0.29, 0.57, 0.58, 0.6]
+    assert memory.hundredths(0.3199) == 0.31 and memory.hundredths(0.0) == 0.0
+
+
 def test_a_plan_by_hand(monkeypatch):
     """TINY on a 'GPU' of 700,000 bytes, all of it usable (no margin, no overhead), prompts of 24
     tokens and responses of 8 (a quarter of a sequence is response: the head sees 8 of its 32)."""
