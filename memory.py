@@ -416,11 +416,11 @@ def memory_plan(args, specs, world, memory_bytes, prompt_len, budgets, compiled=
         budgets=budgets,
         helper=helper,
         budget_floor=BUDGET_FLOOR if args.use_dynamic_bsz else 0,  # budgets in use, or not
-        sequences=None if args.use_dynamic_bsz else sequences(args, specs),
+        sequences=None if args.use_dynamic_bsz else micro_batch_sequences(args, specs),
     )
 
 
-def sequences(args, specs):
+def micro_batch_sequences(args, specs):
     """Each budget key's micro-batch size in sequences, as the flags set it (the count that
     replaces the token budget without --use_dynamic_bsz)."""
     pairs = [spec.passes for spec in specs] + [spec.update for spec in specs if spec.trained]
@@ -498,7 +498,11 @@ def fit_with_switches(args, specs, given, replan):
     if turned:
         result.notes[-1] += f": with the defaults, {worst}"
     if result.fits and result.small:  # a switch given off, or none left: it runs, but slowly
-        off = [f"--{name} (given false)" for name, _ in remedies(args, specs) if name in given]
+        off = [
+            f"--{name} (given false)"
+            for name, _ in remedies(args, specs)
+            if name in given and not getattr(args, name)
+        ]
         result.notes.append(
             f"{result.worst()}, where a step waits on the CPU"
             + (f"; {', '.join(off)} would make room for more" if off else "")

@@ -429,7 +429,7 @@ MUTATIONS = [
         "planner-ignores-sequences",
         "without --use_dynamic_bsz the planner fits token budgets the run never uses",
         "memory.py",
-        "sequences=None if args.use_dynamic_bsz else sequences(args, specs),",
+        "sequences=None if args.use_dynamic_bsz else micro_batch_sequences(args, specs),",
         "sequences=None,",
         ("tests/test_memory.py::test_a_run_given_sequences_per_micro_batch_is_planned_at_them",),
     ),

@@ -1003,7 +1003,9 @@ def test_a_switch_given_off_that_leaves_slow_micro_batches_is_named(tmp_path, mo
         train_grpo, QWEN25_05B, tmp_path, monkeypatch, gpu_memory_gib=20.0,
         enable_gradient_checkpointing=False,
     )  # fmt: skip
-    given = {"enable_gradient_checkpointing"}
+    # the chunked output layer given on (true) is no switch left off
+    args.use_fused_kernels = True
+    given = {"enable_gradient_checkpointing", "use_fused_kernels"}
     p = memory.plan_memory(args, specs, 1, torch.device("cpu"), 105, given)
     assert p.fits and p.small == ["ppo_max_token_len_per_gpu"]
     assert p.notes[-1] == (
