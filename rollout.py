@@ -169,20 +169,22 @@ def _kept_by_reload(record):
     return not (record.msg == "%s: Failed to load weights" and args[:1] and args[0] in kept)
 
 
+def _not_triton_missing(record):
+    """False for torch's note that Triton is missing (vLLM's CPU build runs none)."""
+    return not record.getMessage().startswith("Triton not available")
+
+
 def quiet_cpu_build():
     """Leave out what vLLM's CPU build says at start-up that asks nothing of a user: torch's note
-    that Triton is missing (the CPU build runs none) and a deprecation warning raised inside vLLM's
+    that Triton is missing (`_not_triton_missing`) and a deprecation warning raised inside vLLM's
     own kernel dispatcher (torch.distributed.reduce_op). Its note on binding memory to the NUMA
     node is printed by C++ and stays."""
     import logging
     import warnings
 
-    triton = logging.getLogger("torch._library.triton")
-    if not any(getattr(f, "triton_missing", False) for f in triton.filters):
-        note = logging.Filter()
-        note.filter = lambda record: not record.getMessage().startswith("Triton not available")
-        note.triton_missing = True
-        triton.addFilter(note)
+    log = logging.getLogger("torch._library.triton")
+    if _not_triton_missing not in log.filters:
+        log.addFilter(_not_triton_missing)
     warnings.filterwarnings(
         "ignore", r"`torch.distributed.reduce_op` is deprecated", FutureWarning, r"vllm\."
     )
