@@ -67,9 +67,7 @@ class Args(flags.RunArgs):
     critic_model: str | None = flag(None, "value model's body; default: --model")
     critic_lr: float = flag(1e-5, "critic AdamW learning rate (constant)", gt=0)
     critic_weight_decay: float = flag(0.01, "critic AdamW weight decay", ge=0)
-    critic_warmup: int = flag(
-        0, "the first N steps update only the critic (verl's trainer.critic_warmup=N+1)", ge=0
-    )
+    critic_warmup: int = flag(0, "first N steps train only the critic (verl's N+1)", ge=0)
     critic_ppo_micro_batch_size_per_gpu: int = flag(4, "sequences per critic forward", ge=1)
     critic_ppo_max_token_len_per_gpu: int | None = flag(None, "critic's token budget", ge=1)
     critic_grad_clip: float = flag(1.0, "critic's max global gradient norm", gt=0)
